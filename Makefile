@@ -1,0 +1,40 @@
+# Everything installs into a virtualenv; torch is pinned so the CPU build lying on disk is used
+# (an unpinned torch pulls a multi-GB CUDA wheel).
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install protos lint typecheck test test-fast up clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet -e '.[worker,dev]'
+	touch $@
+
+install: $(VENV)/.installed
+
+protos: install
+	$(PY) scripts/gen_protos.py
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: install
+	$(VENV)/bin/mypy
+
+test: lint typecheck
+	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
+
+up: install
+	$(VENV)/bin/meshserve up
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,78 @@
+"""The `meshserve` command: one verb per service, plus up, generate and chat."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+from services.common.settings import add_settings_arguments, settings_from_args
+
+
+def _build_parser() -> argparse.ArgumentParser:
+    # Settings classes import only pydantic; heavy modules load inside the chosen verb.
+    from services.client import commands, up
+    from services.gateway.settings import GatewaySettings
+    from services.scheduler.settings import SchedulerSettings
+    from services.worker.settings import WorkerSettings
+
+    parser = argparse.ArgumentParser(prog="meshserve", description="LLM serving as gRPC microservices")
+    verbs = parser.add_subparsers(dest="verb", required=True)
+    for name, cls, text in (
+        ("gateway", GatewaySettings, "public Generation API"),
+        ("scheduler", SchedulerSettings, "continuous batching and KV block accounting"),
+        ("worker", WorkerSettings, "model forward and sampling on one device group"),
+    ):
+        add_settings_arguments(verbs.add_parser(name, help=text, description=text), cls)
+    up.add_arguments(verbs.add_parser("up", help="run the whole suite here (embedded defaults)"))
+    gen = verbs.add_parser("generate", help="stream an answer to one prompt")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    commands.add_sampling_arguments(gen)
+    chat = verbs.add_parser("chat", help="interactive chat")
+    chat.add_argument("--system", default=None, help="system message")
+    commands.add_sampling_arguments(chat)
+    return parser
+
+
+def _run(coro: Coroutine[Any, Any, int | None]) -> int:
+    try:
+        return asyncio.run(coro) or 0
+    except KeyboardInterrupt:
+        return 130
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point of the `meshserve` console script."""
+    ns = _build_parser().parse_args(argv)
+    runners: dict[str, Callable[[], Coroutine[Any, Any, int | None]]] = {}
+    if ns.verb == "gateway":
+        from services.gateway.server import serve as serve_gateway
+        from services.gateway.settings import GatewaySettings
+
+        runners["gateway"] = lambda: serve_gateway(settings_from_args(GatewaySettings, ns))
+    elif ns.verb == "scheduler":
+        from services.scheduler.server import serve as serve_scheduler
+        from services.scheduler.settings import SchedulerSettings
+
+        runners["scheduler"] = lambda: serve_scheduler(settings_from_args(SchedulerSettings, ns))
+    elif ns.verb == "worker":
+        from services.worker.server import serve as serve_worker
+        from services.worker.settings import WorkerSettings
+
+        runners["worker"] = lambda: serve_worker(settings_from_args(WorkerSettings, ns))
+    else:
+        from services.client import commands, up
+
+        runners.update(
+            up=lambda: up.run(ns),
+            generate=lambda: commands.generate_main(ns),
+            chat=lambda: commands.chat_main(ns),
+        )
+    sys.exit(_run(runners[ns.verb]()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,111 @@
+"""Starts meshserve services as child processes and waits for their health checks."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.channels import insecure_channel
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class ServiceProcess:
+    """One running service."""
+
+    name: str
+    address: str
+    process: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The end of the service's log, for error messages."""
+        try:
+            text = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+class Launcher:
+    """Owns the child processes of `meshserve up` (and of integration tests)."""
+
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+        self.log_dir = log_dir
+        self.env = {**os.environ, **(env or {})}
+        self.services: list[ServiceProcess] = []
+        log_dir.mkdir(parents=True, exist_ok=True)
+
+    def start(self, name: str, args: list[str], address: str) -> ServiceProcess:
+        """Run `python -m services.cli ARGS` with its log in log_dir/NAME.log."""
+        log_path = self.log_dir / f"{name}.log"
+        with log_path.open("ab") as log_file:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "services.cli", *args],
+                stdout=log_file,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
+            )
+        service = ServiceProcess(name, address, process, log_path)
+        self.services.append(service)
+        return service
+
+    async def wait_healthy(self, service: ServiceProcess, timeout: float) -> None:
+        """Poll grpc.health.v1 until SERVING; fail early, with its log, if the process exits."""
+        deadline = time.monotonic() + timeout
+        async with insecure_channel(service.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while True:
+                if service.process.poll() is not None:
+                    raise RuntimeError(
+                        f"{service.name} exited with code {service.process.returncode}; "
+                        f"its log ({service.log_path}) ends with:\n{service.log_tail()}"
+                    )
+                try:
+                    reply = await stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                    if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                        return
+                except grpc.aio.AioRpcError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"{service.name} at {service.address} not SERVING after {timeout:.0f}s; "
+                        f"its log ends with:\n{service.log_tail()}"
+                    )
+                await asyncio.sleep(0.2)
+
+    def stop(self, service: ServiceProcess, timeout: float = 30.0) -> int | None:
+        """SIGTERM (graceful drain), then SIGKILL after timeout."""
+        proc = service.process
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        return proc.returncode
+
+    def stop_all(self, timeout: float = 30.0) -> None:
+        """Stop in reverse start order: the gateway first, the workers last."""
+        for service in reversed(self.services):
+            self.stop(service, timeout)
+        self.services.clear()

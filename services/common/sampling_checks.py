@@ -1,0 +1,60 @@
+"""Checks on SamplingParams and token ids that every hop applies the same way."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from services.common.proto.meshserve.v1 import sampling_pb2
+
+
+class InvalidField(ValueError):
+    """A request field is wrong; `field` names it and the message says how to fix it."""
+
+    def __init__(self, field: str, description: str) -> None:
+        super().__init__(f"{field}: {description}")
+        self.field = field
+        self.description = description
+
+
+def check_sampling(params: sampling_pb2.SamplingParams, vocab_size: int | None = None) -> None:
+    """Raise InvalidField for the first sampling parameter out of range."""
+    if params.HasField("max_tokens") and params.max_tokens < 1:
+        raise InvalidField(
+            "sampling.max_tokens", f"max_tokens must be >= 1 (or unset for no limit); got {params.max_tokens}"
+        )
+    if params.HasField("temperature") and not (params.temperature >= 0 and math.isfinite(params.temperature)):
+        raise InvalidField(
+            "sampling.temperature", f"temperature must be a finite number >= 0 (0 = greedy); got {params.temperature}"
+        )
+    if params.HasField("top_p") and not (0 < params.top_p <= 1):
+        raise InvalidField("sampling.top_p", f"top_p must be in (0, 1]; got {params.top_p:g} (1 = off)")
+    if params.HasField("top_k") and params.top_k < -1:
+        raise InvalidField("sampling.top_k", f"top_k must be >= -1 (0 or -1 = off); got {params.top_k}")
+    if vocab_size is not None:
+        check_token_ids(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:
+    """Raise InvalidField naming the first id outside [0, vocab_size)."""
+    for i, tok in enumerate(ids):
+        if not 0 <= tok < vocab_size:
+            raise InvalidField(f"{field}[{i}]", f"token id {tok} is outside the model's vocabulary [0, {vocab_size})")
+
+
+def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None:
+    """A prompt must leave room for at least one generated token."""
+    if num_tokens == 0:
+        raise InvalidField(field, "is empty; send at least one token of input")
+    if num_tokens >= max_model_len:
+        raise InvalidField(
+            field,
+            f"prompt is {num_tokens} tokens but --max-model-len is {max_model_len} (prompt + output); "
+            "shorten the prompt or raise --max-model-len",
+        )
+
+
+def resolve_max_tokens(params: sampling_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> int:
+    """Tokens the request may generate: its max_tokens, capped by what fits in max_model_len."""
+    room = max_model_len - prompt_len
+    return min(params.max_tokens, room) if params.HasField("max_tokens") else room

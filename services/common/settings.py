@@ -1,0 +1,80 @@
+"""Typed settings shared by every service, and their command-line flags.
+
+Each service declares one pydantic-settings class. Every field is a flag
+(`--max-num-seqs`) and an environment variable (`MESHSERVE_MAX_NUM_SEQS`);
+a flag given on the command line wins over the environment.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+ENV_PREFIX = "MESHSERVE_"
+
+S = TypeVar("S", bound=BaseSettings)
+
+
+class ServiceSettings(BaseSettings):
+    """What every gRPC service has: where it listens, how it logs, how it stops."""
+
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
+
+    host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
+    port: int = Field(0, description="gRPC port", ge=0, le=65535)
+    metrics_port: int = Field(0, description="Prometheus /metrics HTTP port (0: off)", ge=0, le=65535)
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
+    log_format: Literal["auto", "json", "console"] = Field(
+        "auto", description="log format (auto: console on a terminal, JSON otherwise)"
+    )
+    shutdown_grace_period: float = Field(
+        30.0, description="seconds in-flight requests get to finish after SIGTERM", ge=0
+    )
+
+    @property
+    def address(self) -> str:
+        """host:port of the gRPC listener."""
+        return f"{self.host}:{self.port}"
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _unwrap_optional(annotation: Any) -> Any:
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
+    """Add one flag per settings field; unset flags stay absent so the environment can fill them."""
+    for name, info in cls.model_fields.items():
+        annotation = _unwrap_optional(info.annotation)
+        kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS}
+        env = f"{ENV_PREFIX}{name.upper()}"
+        default = info.default if info.default is not None else "unset"
+        kwargs["help"] = f"{info.description or ''} [env {env}; default {default}]"
+        if annotation is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif typing.get_origin(annotation) is Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        elif annotation in (int, float, str):
+            kwargs["type"] = annotation
+        elif typing.get_origin(annotation) is list:
+            kwargs["nargs"] = "*"
+            kwargs["type"] = typing.get_args(annotation)[0]
+        parser.add_argument(_flag(name), **kwargs)
+
+
+def settings_from_args(cls: type[S], namespace: argparse.Namespace) -> S:
+    """Build settings from parsed flags (which override MESHSERVE_* variables)."""
+    given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields}
+    return cls(**given)

@@ -1,0 +1,130 @@
+"""Request state kept by the scheduler for one generation request."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+
+from services.common.proto.meshserve.v1 import sampling_pb2
+from services.scheduler.block_hash import hash_block_tokens
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    def is_finished(self) -> bool:
+        """True for the three terminal states."""
+        return self in _FINISHED
+
+    def finish_reason(self) -> sampling_pb2.FinishReason.ValueType:
+        """The wire finish reason (UNSPECIFIED while not finished)."""
+        return _FINISH_REASONS.get(self, sampling_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+_FINISHED = frozenset({RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED})
+_FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: sampling_pb2.FINISH_REASON_STOP,
+    RequestStatus.FINISHED_LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
+    RequestStatus.FINISHED_ABORTED: sampling_pb2.FINISH_REASON_ABORT,
+}
+
+
+class Request:
+    """A tokenized request: prompt, generated tokens and progress through the KV cache."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        sampling: sampling_pb2.SamplingParams,
+        eos_token_ids: Sequence[int],
+        max_tokens: int,
+        arrival_time: float | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError(f"request {request_id}: empty prompt")
+        if max_tokens < 1:
+            raise ValueError(f"request {request_id}: max_tokens must be >= 1, got {max_tokens}")
+        self.request_id = request_id
+        self.prompt_token_ids: list[int] = list(prompt_token_ids)
+        self.sampling = sampling
+        self.eos_token_ids: frozenset[int] = frozenset(eos_token_ids)
+        self.stop_token_ids: frozenset[int] = frozenset(sampling.stop_token_ids)
+        self.max_tokens = max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.output_token_ids: list[int] = []
+        self.output_logprobs: list[float] = []
+        # Tokens whose KV is in this request's blocks on its current worker.
+        self.num_computed_tokens = 0
+        # Prefix-cache hits when the request was first admitted.
+        self.num_cached_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.num_preemptions = 0
+        self.stop_token_id: int | None = None
+        self.block_hashes: list[bytes] = []
+        self._block_hashes_size = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt followed by the generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished()
+
+    def token_ids_range(self, start: int, end: int) -> list[int]:
+        """all_token_ids[start:end] without building the whole list."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
+
+    def get_block_hashes(self, block_size: int) -> list[bytes]:
+        """Hash chain of every full block of all_token_ids, extended incrementally."""
+        if block_size != self._block_hashes_size:
+            self.block_hashes = []
+            self._block_hashes_size = block_size
+        num_full = self.num_tokens // block_size
+        parent = self.block_hashes[-1] if self.block_hashes else None
+        for i in range(len(self.block_hashes), num_full):
+            parent = hash_block_tokens(parent, self.token_ids_range(i * block_size, (i + 1) * block_size))
+            self.block_hashes.append(parent)
+        return self.block_hashes
+
+
+def check_stop(request: Request) -> RequestStatus | None:
+    """The finish status the last appended token causes, or None; records stop_token_id."""
+    if not request.output_token_ids:
+        return None
+    last = request.output_token_ids[-1]
+    if not request.sampling.ignore_eos and last in request.eos_token_ids:
+        return RequestStatus.FINISHED_STOPPED
+    if last in request.stop_token_ids:
+        request.stop_token_id = last
+        return RequestStatus.FINISHED_STOPPED
+    if len(request.output_token_ids) >= request.max_tokens:
+        return RequestStatus.FINISHED_LENGTH
+    return None

@@ -1,0 +1,339 @@
+"""Step planner for one attached worker: vLLM v1's continuous batching over the wire."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.proto.meshserve.v1 import worker_pb2
+from services.scheduler.block_pool import Block
+from services.scheduler.kv_cache_manager import KVCacheManager
+from services.scheduler.request import Request, RequestStatus, check_stop
+from services.scheduler.waiting_queue import WaitingQueue
+
+
+@dataclass
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[float]
+    finish_reason: RequestStatus | None
+    # The worker's error text when the step failed (finish_reason is then FINISHED_ABORTED).
+    error: str | None = None
+
+
+@dataclass
+class StepInfo:
+    """Shape of the last planned step."""
+
+    step_id: int
+    batch_size: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+
+    @property
+    def is_mixed(self) -> bool:
+        return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
+
+
+@dataclass
+class WorkerSchedulerStats:
+    """Counters and pool state of one worker's scheduler."""
+
+    num_blocks: int
+    num_free_blocks: int
+    num_cached_blocks: int
+    num_running: int
+    num_steps: int
+    num_mixed_steps: int
+    max_batch_size: int
+    num_preemptions: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_finished: int = 0
+    kv_cache_usage: float = 0.0
+
+
+@dataclass
+class _Planned:
+    request: Request
+    num_computed: int
+    num_scheduled: int
+    new_block_ids: list[int] = field(default_factory=list)
+
+
+class WorkerScheduler:
+    """Plans steps for one worker: running requests first, then admissions from the shared queue."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        num_blocks: int,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool,
+        waiting: WaitingQueue,
+    ) -> None:
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.worker_id = worker_id
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting = waiting
+        # False once the worker drains: running requests finish, nothing new is admitted.
+        self.accepting = True
+        self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
+        # Admission order: the last one is the newest and the first to be preempted.
+        self.running: list[Request] = []
+        self._by_id: dict[str, Request] = {}
+        # Ids the worker holds in its persistent batch.
+        self._on_worker: set[str] = set()
+        self._pending_removals: list[str] = []
+        # Blocks indexed while planning the step in flight; un-indexed if that step fails.
+        self._inflight_cached: list[Block] = []
+        self._next_step_id = 1
+        self.last_step: StepInfo | None = None
+        self.num_steps = 0
+        self.num_mixed_steps = 0
+        self.max_batch_size = 0
+        self.num_preemptions = 0
+        self.num_finished = 0
+
+    @property
+    def has_work(self) -> bool:
+        """Whether schedule() could return a Step without new arrivals."""
+        return bool(self.running) or bool(self._pending_removals)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        """Whether a request of num_tokens (prompt + max_tokens) could ever run on this worker."""
+        return self.kv.can_ever_fit(num_tokens)
+
+    def get_request(self, request_id: str) -> Request | None:
+        """The running request with this id on this worker."""
+        return self._by_id.get(request_id)
+
+    def schedule(self) -> worker_pb2.Step | None:
+        """Plan the next step; None when nothing runs and nothing needs removing."""
+        if self._inflight_cached:
+            # The previous step got no update() (it failed): its blocks' KV was never written.
+            self.kv.pool.uncache(self._inflight_cached)
+            self._inflight_cached = []
+        budget = self.max_num_batched_tokens
+        planned_running: list[_Planned] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            new_ids = self.kv.allocate_slots(request, num_new)
+            while new_ids is None:
+                # The newest running request gives its blocks back; it may be this one.
+                victim = self.running[-1]
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+                new_ids = self.kv.allocate_slots(request, num_new)
+            if new_ids is None:
+                break
+            planned_running.append(_Planned(request, request.num_computed_tokens, num_new, new_ids))
+            budget -= num_new
+            i += 1
+
+        planned_new: list[_Planned] = []
+        if not preempted and self.accepting:
+            while budget > 0 and len(self.running) < self.max_num_seqs and len(self.waiting) > 0:
+                head = self.waiting.peek()
+                assert head is not None
+                request = head
+                if request.is_finished:
+                    self.waiting.popleft()  # aborted while queued but not taken out: skip it
+                    continue
+                hits, num_hit = self.kv.get_computed_blocks(request)
+                num_new = min(request.num_tokens - num_hit, budget)
+                new_ids = self.kv.allocate_slots(request, num_new, hits)
+                if new_ids is None:
+                    break
+                self.waiting.popleft()
+                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+                if request.status == RequestStatus.WAITING:
+                    request.num_cached_tokens = num_hit
+                request.status = RequestStatus.RUNNING
+                request.num_computed_tokens = num_hit
+                self.running.append(request)
+                self._by_id[request.request_id] = request
+                planned_new.append(_Planned(request, num_hit, num_new))
+                budget -= num_new
+
+        self._inflight_cached = self.kv.take_newly_cached()
+        if not planned_running and not planned_new and not self._pending_removals:
+            return None
+        step = self._build_step(planned_running, planned_new)
+        self._pending_removals = []
+        return step
+
+    def _build_step(self, planned_running: list[_Planned], planned_new: list[_Planned]) -> worker_pb2.Step:
+        step = worker_pb2.Step(step_id=self._next_step_id, removed_request_ids=self._pending_removals)
+        self._next_step_id += 1
+        for p in planned_running:
+            step.scheduled.append(
+                worker_pb2.ScheduledRequest(
+                    request_id=p.request.request_id,
+                    new_block_ids=p.new_block_ids,
+                    num_computed_tokens=p.num_computed,
+                    num_scheduled_tokens=p.num_scheduled,
+                )
+            )
+        for p in planned_new:
+            r = p.request
+            step.new_requests.append(
+                worker_pb2.NewRequest(
+                    request_id=r.request_id,
+                    prompt_token_ids=r.prompt_token_ids,
+                    output_token_ids=r.output_token_ids,
+                    sampling=r.sampling,
+                    block_ids=self.kv.block_ids(r),
+                    num_computed_tokens=p.num_computed,
+                    num_scheduled_tokens=p.num_scheduled,
+                )
+            )
+            self._on_worker.add(r.request_id)
+        self._record_step(step.step_id, planned_running + planned_new)
+        return step
+
+    def _record_step(self, step_id: int, planned: list[_Planned]) -> None:
+        prefill = decode = 0
+        for p in planned:
+            r = p.request
+            # A decode computes exactly the last sampled token; anything else is (re)prefill.
+            if r.output_token_ids and p.num_computed == r.num_tokens - 1:
+                decode += p.num_scheduled
+            else:
+                prefill += p.num_scheduled
+        self.last_step = StepInfo(step_id, len(planned), prefill, decode)
+        if planned:
+            self.num_steps += 1
+            self.num_mixed_steps += int(self.last_step.is_mixed)
+            self.max_batch_size = max(self.max_batch_size, len(planned))
+
+    def update(self, step: worker_pb2.Step, result: worker_pb2.StepResult) -> list[RequestOutput]:
+        """Apply a worker's StepResult: advance progress, append tokens, finish requests."""
+        if result.step_id != step.step_id:
+            raise ValueError(f"StepResult for step {result.step_id} does not answer step {step.step_id}")
+        inflight, self._inflight_cached = self._inflight_cached, []
+        scheduled = [(n.request_id, n.num_scheduled_tokens) for n in step.new_requests]
+        scheduled += [(s.request_id, s.num_scheduled_tokens) for s in step.scheduled]
+        if result.error:
+            # Blocks indexed for this step never got their KV: no later request may hit them.
+            self.kv.pool.uncache(inflight)
+            return self._fail(scheduled, result.error)
+
+        for request_id, num_scheduled in scheduled:
+            request = self._by_id.get(request_id)
+            if request is not None and request.status == RequestStatus.RUNNING:
+                request.num_computed_tokens += num_scheduled
+
+        outputs: dict[str, RequestOutput] = {}
+        for sampled in result.sampled:
+            request = self._by_id.get(sampled.request_id)
+            # Tokens of requests aborted mid-step, or of a prefill chunk that is not the last, are dropped.
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens < request.num_tokens:
+                continue
+            request.output_token_ids.append(sampled.token_id)
+            out = outputs.get(request.request_id)
+            if out is None:
+                out = outputs[request.request_id] = RequestOutput(request, [], [], None)
+            out.new_token_ids.append(sampled.token_id)
+            if request.sampling.logprobs:
+                request.output_logprobs.append(sampled.logprob)
+                out.new_logprobs.append(sampled.logprob)
+            status = check_stop(request)
+            if status is not None:
+                self._finish(request, status)
+                out.finish_reason = status
+        return list(outputs.values())
+
+    def _fail(self, scheduled: list[tuple[str, int]], error: str) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for request_id, _ in scheduled:
+            request = self._by_id.get(request_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            self._finish(request, RequestStatus.FINISHED_ABORTED)
+            outputs.append(RequestOutput(request, [], [], RequestStatus.FINISHED_ABORTED, error=error))
+        return outputs
+
+    def abort(self, request_id: str) -> Request | None:
+        """Abort a request running on this worker; None when it is not running here."""
+        request = self._by_id.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, RequestStatus.FINISHED_ABORTED)
+        return request
+
+    def drain_requests(self) -> list[Request]:
+        """The worker is gone: hand back its running requests (to recompute elsewhere) and reset."""
+        drained = self.running
+        for request in drained:
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+        self.running = []
+        self._by_id.clear()
+        self._on_worker.clear()
+        self._pending_removals = []
+        self._inflight_cached = []
+        self.kv.reset()
+        return drained
+
+    def stats(self) -> WorkerSchedulerStats:
+        pool = self.kv.pool
+        return WorkerSchedulerStats(
+            num_blocks=pool.num_blocks,
+            num_free_blocks=pool.num_free_blocks,
+            num_cached_blocks=pool.num_cached_free_blocks,
+            num_running=len(self.running),
+            num_steps=self.num_steps,
+            num_mixed_steps=self.num_mixed_steps,
+            max_batch_size=self.max_batch_size,
+            num_preemptions=self.num_preemptions,
+            prefix_cache_queries=self.kv.prefix_cache_queries,
+            prefix_cache_hits=self.kv.prefix_cache_hits,
+            num_finished=self.num_finished,
+            kv_cache_usage=pool.usage,
+        )
+
+    def _preempt(self, request: Request) -> None:
+        self._remove_running(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.prepend(request)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        self._remove_running(request)
+        request.status = status
+        self.num_finished += 1
+
+    def _remove_running(self, request: Request) -> None:
+        self.kv.free(request)
+        self.running.remove(request)
+        del self._by_id[request.request_id]
+        if request.request_id in self._on_worker:
+            self._on_worker.discard(request.request_id)
+            self._pending_removals.append(request.request_id)

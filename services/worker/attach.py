@@ -1,0 +1,111 @@
+"""The worker's side of Scheduler.Attach: hello, then execute each Step and answer."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Protocol
+
+import grpc
+import structlog
+
+from services.common.channels import insecure_channel
+from services.common.proto.meshserve.v1 import scheduler_pb2_grpc, worker_pb2
+
+log = structlog.get_logger()
+
+
+class StepExecutor(Protocol):
+    """What the attach loop needs from the model runner."""
+
+    def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult: ...
+
+    def reset(self) -> None: ...
+
+
+class AttachClient:
+    """Keeps one worker attached to the scheduler, reconnecting when the stream breaks."""
+
+    def __init__(
+        self,
+        scheduler_address: str,
+        hello: worker_pb2.WorkerHello,
+        executor: StepExecutor,
+        on_attached: Callable[[bool], Awaitable[None]],
+        reconnect_interval: float = 1.0,
+    ) -> None:
+        self.scheduler_address = scheduler_address
+        self.hello = hello
+        self.executor = executor
+        self.on_attached = on_attached
+        self.reconnect_interval = reconnect_interval
+        self._outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
+        self._stopping = False
+        self._attached = False
+
+    async def run(self) -> None:
+        """Attach, serve steps, and re-attach after failures until stop() is called."""
+        async with insecure_channel(self.scheduler_address) as channel:
+            stub = scheduler_pb2_grpc.SchedulerStub(channel)
+            while not self._stopping:
+                try:
+                    await self._serve_once(stub)
+                except grpc.aio.AioRpcError as err:
+                    log.warning(
+                        "attach stream failed",
+                        scheduler=self.scheduler_address,
+                        code=err.code().name,
+                        details=err.details(),
+                    )
+                self.executor.reset()
+                if self._attached:
+                    self._attached = False
+                    await self.on_attached(False)
+                if not self._stopping:
+                    await asyncio.sleep(self.reconnect_interval)
+
+    async def _serve_once(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        self._outbox = asyncio.Queue()
+        self._outbox.put_nowait(worker_pb2.WorkerMessage(hello=self.hello))
+        if self._stopping:
+            return
+        call = stub.Attach(self._messages())
+        async for message in call:
+            if message.HasField("accepted"):
+                self._attached = True
+                log.info("attached to scheduler", scheduler=self.scheduler_address)
+                await self.on_attached(True)
+            elif message.HasField("step"):
+                result = await asyncio.to_thread(self._execute, message.step)
+                self._outbox.put_nowait(worker_pb2.WorkerMessage(result=result))
+        log.info("scheduler closed the attach stream")
+
+    async def _messages(self) -> AsyncIterator[worker_pb2.WorkerMessage]:
+        while True:
+            message = await self._outbox.get()
+            if message is None:
+                return
+            yield message
+
+    def _execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
+        start = time.perf_counter()
+        try:
+            return self.executor.execute(step)
+        except Exception as err:  # a bad step must not take the worker down
+            log.exception("step failed", step_id=step.step_id)
+            return worker_pb2.StepResult(
+                step_id=step.step_id,
+                error=f"{type(err).__name__}: {err}",
+                execute_seconds=time.perf_counter() - start,
+            )
+
+    def drain(self, reason: str) -> None:
+        """Tell the scheduler to admit nothing new here; it ends the stream once idle."""
+        self._stopping = True
+        self._outbox.put_nowait(worker_pb2.WorkerMessage(drain=worker_pb2.Drain(reason=reason)))
+
+    def close(self) -> None:
+        """End the stream from our side."""
+        self._stopping = True
+        self._outbox.put_nowait(None)

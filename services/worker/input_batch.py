@@ -1,0 +1,68 @@
+"""The worker's persistent batch: per-request state kept across steps, keyed by request id."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from services.common.proto.meshserve.v1 import sampling_pb2
+
+
+@dataclass
+class CachedRequest:
+    """One request as the worker knows it."""
+
+    request_id: str
+    # Prompt followed by every output token so far (including the last sampled one).
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    block_ids: list[int]
+    sampling: sampling_pb2.SamplingParams = field(default_factory=sampling_pb2.SamplingParams)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far (also the index of the next sampled token)."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    def slot(self, position: int, block_size: int) -> int:
+        """The cache slot of the token at position."""
+        return self.block_ids[position // block_size] * block_size + position % block_size
+
+
+class InputBatch:
+    """Requests the worker holds between steps."""
+
+    def __init__(self) -> None:
+        self._requests: dict[str, CachedRequest] = {}
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._requests
+
+    def add(self, request: CachedRequest) -> None:
+        """Add a request; its id must be new."""
+        if request.request_id in self._requests:
+            raise ValueError(f"request {request.request_id!r} is already in the worker's batch")
+        self._requests[request.request_id] = request
+
+    def remove(self, request_id: str) -> CachedRequest | None:
+        """Drop a request; unknown ids are ignored."""
+        return self._requests.pop(request_id, None)
+
+    def get(self, request_id: str) -> CachedRequest:
+        """The request with this id, or a ValueError naming it."""
+        request = self._requests.get(request_id)
+        if request is None:
+            raise ValueError(f"scheduled request {request_id!r} is not in the worker's batch")
+        return request
+
+    def request_ids(self) -> list[str]:
+        """Ids of the held requests, in insertion order."""
+        return list(self._requests)

@@ -1,0 +1,1 @@
+"""Pure-torch reference layers: the CPU implementation and the oracle for device platforms."""

@@ -1,0 +1,81 @@
+"""CPU platform: pure-torch reference ops from services.worker.layers."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from services.worker.layers import activation, attention, norm, rotary
+from services.worker.platforms.base import MemoryInfo, Ops, Platform
+
+
+class ReferenceOps(Ops):
+    """The pure-torch ops; also the oracle that device platforms are tested against."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return norm.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm.add_rms_norm(x, residual, weight, eps)
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rotary.apply_rotary(q, k, cos, sin)
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return activation.silu_and_mul(gate_up)
+
+    def reshape_and_cache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return attention.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+
+
+class CpuPlatform(Platform):
+    """Host CPU with gloo for tensor parallelism."""
+
+    name = "cpu"
+    dist_backend = "gloo"
+
+    def __init__(self) -> None:
+        self._ops = ReferenceOps()
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cpu")
+
+    @property
+    def ops(self) -> Ops:
+        return self._ops
+
+    def memory_info(self) -> MemoryInfo:
+        page = os.sysconf("SC_PAGE_SIZE")
+        return MemoryInfo(
+            free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page,
+            total_bytes=os.sysconf("SC_PHYS_PAGES") * page,
+        )
+
+    def synchronize(self) -> None:
+        # CPU ops are synchronous.
+        return None

@@ -1,0 +1,106 @@
+"""Find a model's config and weights (HF safetensors directory or GGUF file) and fingerprint it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+KV_LAYOUT = "NHD-paged"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved --model: a HF directory, or a GGUF file (gguf_file set) inside `directory`."""
+
+    directory: Path
+    gguf_file: str | None = None
+
+    @property
+    def name(self) -> str:
+        """Human-readable model name: the GGUF file stem or the directory name."""
+        if self.gguf_file is not None:
+            return Path(self.gguf_file).stem
+        return self.directory.name
+
+    def weight_files(self) -> list[Path]:
+        """The files that hold the weights, in load order."""
+        if self.gguf_file is not None:
+            return [self.directory / self.gguf_file]
+        return sorted(self.directory.glob("*.safetensors"))
+
+
+def resolve_model_path(model_path: str | Path) -> ModelSource:
+    """Turn --model into a ModelSource, with errors that say what was expected."""
+    path = Path(model_path).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {path} is a file but not a .gguf; pass a Hugging Face directory")
+        return ModelSource(directory=path.parent.resolve(), gguf_file=path.name)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"--model {path} has no config.json; is it a Hugging Face model directory?")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"--model {path} has no *.safetensors weights")
+        return ModelSource(directory=path.resolve())
+    raise ValueError(f"--model {path} does not exist")
+
+
+def load_hf_config(source: ModelSource) -> Any:
+    """Return the transformers config of the model."""
+    from transformers import AutoConfig
+
+    if source.gguf_file is not None:
+        return AutoConfig.from_pretrained(source.directory, gguf_file=source.gguf_file)
+    return AutoConfig.from_pretrained(source.directory)
+
+
+def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF parameter name, tensor) pairs; GGUF is dequantised by transformers to float32."""
+    if source.gguf_file is not None:
+        from transformers import AutoModelForCausalLM
+
+        hf_model = AutoModelForCausalLM.from_pretrained(
+            source.directory, gguf_file=source.gguf_file, dtype=torch.float32
+        )
+        yield from hf_model.state_dict().items()
+        return
+    from safetensors import safe_open
+
+    for file in source.weight_files():
+        with safe_open(str(file), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield key, handle.get_tensor(key)
+
+
+def model_fingerprint(
+    source: ModelSource,
+    *,
+    kv_dtype: str,
+    block_size: int,
+    tp_size: int = 1,
+    rank: int = 0,
+) -> str:
+    """sha256 over model identity, KV dtype, block size, KV layout, TP size and rank.
+
+    Identity is config.json's content (when present) plus weight file names and sizes, so two
+    workers loading the same files produce interchangeable KV blocks.
+    """
+    config_path = source.directory / "config.json"
+    config_text = config_path.read_text() if source.gguf_file is None and config_path.is_file() else ""
+    identity = {
+        "config": config_text,
+        "weights": [[f.name, f.stat().st_size] for f in source.weight_files()],
+        "kv_dtype": kv_dtype,
+        "block_size": block_size,
+        "layout": KV_LAYOUT,
+        "tp_size": tp_size,
+        "rank": rank,
+    }
+    blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
+    return hashlib.sha256(blob).hexdigest()

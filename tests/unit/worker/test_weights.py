@@ -1,0 +1,108 @@
+"""Model resolution, safetensors loading (sharded), name mapping checks and the fingerprint."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import cast
+
+import pytest
+import torch
+
+from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
+from services.worker.platforms import get_platform
+from services.worker.weights import (
+    ModelSource,
+    iter_weights,
+    load_hf_config,
+    model_fingerprint,
+    resolve_model_path,
+)
+from tests.support.tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_model(tmp_path_factory.mktemp("w"), model_type="qwen2", num_layers=1)
+
+
+def test_resolve_errors(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="does not exist"):
+        resolve_model_path(tmp_path / "nope")
+    with pytest.raises(ValueError, match=r"no config\.json"):
+        resolve_model_path(tmp_path)
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+        resolve_model_path(tmp_path)
+    weird = tmp_path / "model.bin"
+    weird.write_bytes(b"x")
+    with pytest.raises(ValueError, match=r"not a \.gguf"):
+        resolve_model_path(weird)
+
+
+def test_gguf_source_and_name(tmp_path: Path) -> None:
+    gguf = tmp_path / "Tiny-Model.Q4_1.gguf"
+    gguf.write_bytes(b"GGUF" + b"\0" * 60)
+    source = resolve_model_path(gguf)
+    assert source.gguf_file == gguf.name and source.directory == tmp_path.resolve()
+    assert source.name == "Tiny-Model.Q4_1"
+    assert source.weight_files() == [tmp_path.resolve() / gguf.name]
+
+
+def test_fingerprint_covers_identity(tiny_dir: Path, tmp_path: Path) -> None:
+    source = resolve_model_path(tiny_dir)
+    base = model_fingerprint(source, kv_dtype="float32", block_size=16)
+    assert base == model_fingerprint(resolve_model_path(tiny_dir), kv_dtype="float32", block_size=16)
+    variants = {
+        model_fingerprint(source, kv_dtype="bfloat16", block_size=16),
+        model_fingerprint(source, kv_dtype="float32", block_size=32),
+        model_fingerprint(source, kv_dtype="float32", block_size=16, tp_size=2),
+        model_fingerprint(source, kv_dtype="float32", block_size=16, rank=1),
+    }
+    assert base not in variants and len(variants) == 4
+    other = make_tiny_model(tmp_path / "other", model_type="qwen2", num_layers=2)
+    assert model_fingerprint(resolve_model_path(other), kv_dtype="float32", block_size=16) != base
+
+
+def _empty_model(source: ModelSource) -> LlamaForCausalLM:
+    return LlamaForCausalLM(load_hf_config(source), get_platform("cpu").ops, 64)
+
+
+def test_load_weights_matches_checkpoint(tiny_dir: Path) -> None:
+    source = resolve_model_path(tiny_dir)
+    model = _empty_model(source)
+    model.load_weights(iter_weights(source))
+    state = dict(iter_weights(source))
+    layer = cast(LlamaDecoderLayer, model.model.layers[0])
+    attn = layer.self_attn
+    _q, k, v = attn.qkv_proj.bias.split([attn.q_size, attn.kv_size, attn.kv_size])
+    assert torch.equal(k, state["model.layers.0.self_attn.k_proj.bias"])
+    assert torch.equal(v, state["model.layers.0.self_attn.v_proj.bias"])
+    _gate, up = layer.mlp.gate_up_proj.weight.chunk(2)
+    assert torch.equal(up, state["model.layers.0.mlp.up_proj.weight"])
+
+
+def test_load_weights_rejects_missing_unknown_and_misshaped(tiny_dir: Path) -> None:
+    source = resolve_model_path(tiny_dir)
+    state = dict(iter_weights(source))
+    missing = {k: v for k, v in state.items() if "v_proj.weight" not in k}
+    with pytest.raises(ValueError, match=re.escape("missing weights for: model.layers.0.self_attn.qkv_proj.weight#2")):
+        _empty_model(source).load_weights(missing.items())
+    with pytest.raises(ValueError, match="no matching parameter"):
+        _empty_model(source).load_weights([*state.items(), ("model.extra.weight", torch.zeros(1))])
+    bad = dict(state)
+    bad["model.norm.weight"] = torch.zeros(3)
+    with pytest.raises(ValueError, match="shape"):
+        _empty_model(source).load_weights(bad.items())
+
+
+def test_sharded_safetensors_load_identically(tiny_dir: Path, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    sharded = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(tiny_dir).save_pretrained(sharded, max_shard_size="40KB")
+    assert len(list(sharded.glob("*.safetensors"))) > 1
+    one = dict(iter_weights(resolve_model_path(tiny_dir)))
+    many = dict(iter_weights(resolve_model_path(sharded)))
+    assert one.keys() == many.keys()
+    assert all(torch.equal(one[k], many[k]) for k in one)
