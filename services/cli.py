@@ -29,7 +29,9 @@ def _build_parser() -> argparse.ArgumentParser:
     up.add_arguments(verbs.add_parser("up", help="run the whole suite here (embedded defaults)"))
     gen = verbs.add_parser("generate", help="stream an answer to one prompt")
     gen.add_argument("prompt")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user chat message")
+    gen.add_argument(
+        "--raw", action="store_true", help="send the prompt as plain text (default: one user chat message)"
+    )
     commands.add_sampling_arguments(gen)
     chat = verbs.add_parser("chat", help="interactive chat")
     chat.add_argument("--system", default=None, help="system message")

@@ -47,8 +47,9 @@ async def _stream(client: GenerationClient, request: generation_pb2.GenerateRequ
         if response.finish_reason:
             reason = sampling_pb2.FinishReason.Name(response.finish_reason).removeprefix("FINISH_REASON_")
             u = response.usage
+            print()
             print(
-                f"\n[finish={reason.lower()} prompt_tokens={u.prompt_tokens} "
+                f"[finish={reason.lower()} prompt_tokens={u.prompt_tokens} "
                 f"completion_tokens={u.completion_tokens} cached_tokens={u.cached_tokens}]",
                 file=sys.stderr,
             )
@@ -63,10 +64,10 @@ def _report(err: grpc.aio.AioRpcError) -> int:
 async def generate_main(ns: argparse.Namespace) -> int:
     """One prompt, streamed."""
     async with GenerationClient(ns.address) as client:
-        if ns.chat:
-            request = build_request(messages=[("user", ns.prompt)], sampling=_sampling(ns))
-        else:
+        if ns.raw:
             request = build_request(prompt=ns.prompt, sampling=_sampling(ns))
+        else:
+            request = build_request(messages=[("user", ns.prompt)], sampling=_sampling(ns))
         try:
             await _stream(client, request)
         except grpc.aio.AioRpcError as err:

