@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -109,3 +110,79 @@ class Launcher:
         for service in reversed(self.services):
             self.stop(service, timeout)
         self.services.clear()
+
+
+@dataclass
+class SuiteProcesses:
+    """The processes of one suite: a scheduler, its workers and a gateway."""
+
+    scheduler: ServiceProcess
+    workers: list[ServiceProcess]
+    gateway: ServiceProcess
+
+    @property
+    def all(self) -> list[ServiceProcess]:
+        """In start order."""
+        return [self.scheduler, *self.workers, self.gateway]
+
+
+def start_suite_processes(
+    launcher: Launcher,
+    *,
+    model: str,
+    host: str,
+    scheduler_port: int,
+    worker_ports: Sequence[int],
+    gateway_port: int,
+    common_args: Sequence[str] = (),
+    scheduler_args: Sequence[str] = (),
+    worker_args: Sequence[str] = (),
+    gateway_args: Sequence[str] = (),
+) -> SuiteProcesses:
+    """Start scheduler, one worker per port (ids worker-0, worker-1, ...) and gateway; no waiting."""
+    sched_addr = f"{host}:{scheduler_port}"
+    base = ["--host", host, *common_args]
+    scheduler = launcher.start(
+        "scheduler", ["scheduler", *base, "--port", str(scheduler_port), *scheduler_args], sched_addr
+    )
+    workers = [
+        launcher.start(
+            f"worker-{i}",
+            [
+                "worker",
+                *base,
+                "--port",
+                str(port),
+                "--scheduler-address",
+                sched_addr,
+                "--model",
+                model,
+                "--worker-id",
+                f"worker-{i}",
+                *worker_args,
+            ],
+            f"{host}:{port}",
+        )
+        for i, port in enumerate(worker_ports)
+    ]
+    gateway = launcher.start(
+        "gateway",
+        [
+            "gateway",
+            *base,
+            "--port",
+            str(gateway_port),
+            "--scheduler-address",
+            sched_addr,
+            "--model",
+            model,
+            *gateway_args,
+        ],
+        f"{host}:{gateway_port}",
+    )
+    return SuiteProcesses(scheduler, workers, gateway)
+
+
+async def wait_all_healthy(launcher: Launcher, services: Sequence[ServiceProcess], timeout: float) -> None:
+    """Wait until every service is SERVING (fails as soon as one exits)."""
+    await asyncio.gather(*(launcher.wait_healthy(s, timeout) for s in services))

@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from services.client.launcher import Launcher, free_port
+from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
@@ -53,56 +53,28 @@ async def run(ns: argparse.Namespace) -> int:
     model = _model_dir(ns.model)
     log_dir = ns.log_dir or model_cache_dir().parent / "logs"
     launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json"})
-    common = ["--host", ns.host, *_optional("--max-model-len", ns.max_model_len)]
-    sched_addr = f"{ns.host}:{ns.scheduler_port}"
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        scheduler = launcher.start(
-            "scheduler",
-            [
-                "scheduler",
-                *common,
-                "--port",
-                str(ns.scheduler_port),
+        suite = start_suite_processes(
+            launcher,
+            model=model,
+            host=ns.host,
+            scheduler_port=ns.scheduler_port,
+            worker_ports=[ns.worker_port + i for i in range(ns.num_workers)],
+            gateway_port=ns.port,
+            common_args=_optional("--max-model-len", ns.max_model_len),
+            scheduler_args=[
                 *_optional("--max-num-seqs", ns.max_num_seqs),
                 *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
             ],
-            sched_addr,
+            worker_args=["--dtype", ns.dtype, "--kv-cache-memory", ns.kv_cache_memory],
         )
-        workers = []
-        for i in range(ns.num_workers):
-            port = ns.worker_port + i if ns.worker_port else free_port(ns.host)
-            workers.append(
-                launcher.start(
-                    f"worker-{i}",
-                    [
-                        "worker",
-                        *common,
-                        "--port",
-                        str(port),
-                        "--scheduler-address",
-                        sched_addr,
-                        "--model",
-                        model,
-                        "--dtype",
-                        ns.dtype,
-                        "--kv-cache-memory",
-                        ns.kv_cache_memory,
-                    ],
-                    f"{ns.host}:{port}",
-                )
-            )
-        gateway = launcher.start(
-            "gateway",
-            ["gateway", *common, "--port", str(ns.port), "--scheduler-address", sched_addr, "--model", model],
-            f"{ns.host}:{ns.port}",
-        )
+        gateway = suite.gateway
         print(f"meshserve: starting scheduler, {ns.num_workers} worker(s) and gateway; logs in {log_dir}")
-        for service in (scheduler, *workers, gateway):
-            await launcher.wait_healthy(service, ns.startup_timeout)
+        await wait_all_healthy(launcher, suite.all, ns.startup_timeout)
         print(
             f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
             f'  try:  meshserve generate --address {gateway.address} "What is the capital of France?"\n'

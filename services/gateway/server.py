@@ -39,11 +39,7 @@ async def serve(settings: GatewaySettings) -> None:
         await _wait_for_scheduler(channel, settings.scheduler_address)
         await service.set_serving(True)
         log.info("gateway ready", model=str(model_dir), max_model_len=max_model_len)
-
-        async def drain(grace: float) -> None:
-            servicer.draining = True
-
-        await service.run_until_stopped(drain)
+        await service.run_until_stopped(servicer.drain)
 
 
 async def _wait_for_scheduler(channel: grpc.aio.Channel, address: str) -> None:

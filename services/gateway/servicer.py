@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -57,6 +58,14 @@ class GenerationServicer:
         self.limits = limits
         self.metrics = metrics
         self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def drain(self, grace: float) -> None:
+        """Refuse new calls and wait for in-flight streams (health stays reachable, NOT_SERVING)."""
+        self.draining = True
+        await self._idle.wait()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """Method handlers without a request deserializer, so bad bytes become INVALID_ARGUMENT."""
@@ -132,6 +141,8 @@ class GenerationServicer:
         stops = StopStringMatcher(list(sampling.stop))
         usage = generation_pb2.Usage(prompt_tokens=len(resolved.prompt_token_ids))
         self.metrics.requests_started.inc()
+        self._in_flight += 1
+        self._idle.clear()
         log.info("generate", input=resolved.input_kind, prompt_tokens=usage.prompt_tokens)
         call = self.scheduler.Submit(submit, metadata=outgoing_metadata(request_id))
         finished = False
@@ -198,3 +209,6 @@ class GenerationServicer:
             if not finished:
                 call.cancel()
                 self.metrics.requests_cancelled.inc()
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()

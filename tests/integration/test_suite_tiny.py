@@ -228,7 +228,7 @@ def test_sigterm_lets_streams_finish(tiny_model_dir: Path, tmp_path: Path) -> No
     try:
 
         async def run() -> None:
-            params = sampling_params(max_tokens=600, temperature=0.0, ignore_eos=True)
+            params = sampling_params(max_tokens=1000, temperature=0.0, ignore_eos=True)
             tokens, finish = 0, 0
             async with GenerationClient(suite.address) as client:
                 async for response in client.generate(build_request(token_ids=[5, 6, 7], sampling=params)):
@@ -236,8 +236,12 @@ def test_sigterm_lets_streams_finish(tiny_model_dir: Path, tmp_path: Path) -> No
                     finish = response.finish_reason
                     if tokens == 3:
                         os.kill(suite.gateway.process.pid, signal.SIGTERM)
+                        await asyncio.sleep(0.2)
+                        async with insecure_channel(suite.address) as channel:
+                            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
+                        assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
             assert finish == sampling_pb2.FINISH_REASON_LENGTH
-            assert tokens == 600
+            assert tokens == 1000
 
         asyncio.run(run())
         assert suite.gateway.process.wait(30) == 0

@@ -8,7 +8,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.client.launcher import Launcher, ServiceProcess, free_port
+from services.client.launcher import (
+    Launcher,
+    ServiceProcess,
+    free_port,
+    start_suite_processes,
+    wait_all_healthy,
+)
 from services.common.channels import insecure_channel
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -74,54 +80,20 @@ def start_suite(
 ) -> Suite:
     """Start and wait until every service reports SERVING."""
     launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"})
-    host = "127.0.0.1"
-    sched_addr = f"{host}:{free_port()}"
     try:
-        scheduler = launcher.start(
-            "scheduler", ["scheduler", "--port", sched_addr.rsplit(":", 1)[1], *scheduler_args], sched_addr
+        procs = start_suite_processes(
+            launcher,
+            model=str(model_dir),
+            host="127.0.0.1",
+            scheduler_port=free_port(),
+            worker_ports=[free_port() for _ in range(num_workers)],
+            gateway_port=free_port(),
+            scheduler_args=scheduler_args,
+            worker_args=worker_args,
+            gateway_args=gateway_args,
         )
-        workers = []
-        for i in range(num_workers):
-            port = free_port()
-            workers.append(
-                launcher.start(
-                    f"worker-{i}",
-                    [
-                        "worker",
-                        "--port",
-                        str(port),
-                        "--scheduler-address",
-                        sched_addr,
-                        "--model",
-                        str(model_dir),
-                        "--worker-id",
-                        f"worker-{i}",
-                        *worker_args,
-                    ],
-                    f"{host}:{port}",
-                )
-            )
-        gw_port = free_port()
-        gateway = launcher.start(
-            "gateway",
-            [
-                "gateway",
-                "--port",
-                str(gw_port),
-                "--scheduler-address",
-                sched_addr,
-                "--model",
-                str(model_dir),
-                *gateway_args,
-            ],
-            f"{host}:{gw_port}",
-        )
-
-        async def wait_all() -> None:
-            await asyncio.gather(*(launcher.wait_healthy(s, STARTUP_TIMEOUT_S) for s in (scheduler, *workers, gateway)))
-
-        asyncio.run(wait_all())
+        asyncio.run(wait_all_healthy(launcher, procs.all, STARTUP_TIMEOUT_S))
     except BaseException:
         launcher.stop_all(timeout=10)
         raise
-    return Suite(launcher, scheduler, workers, gateway, log_dir)
+    return Suite(launcher, procs.scheduler, procs.workers, procs.gateway, log_dir)
