@@ -11,7 +11,6 @@ from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.tokenizer import TextTokenizer
 from tests.unit.gateway import build_tiny_model_dir
 
-SMOL_DIR = Path("/tmp/smol/hf")
 MULTIBYTE_TEXTS = [
     "🙂",
     "日本語のテキスト",
@@ -98,9 +97,9 @@ def test_empty_add_and_flush(tok: TextTokenizer) -> None:
     assert detok.output_token_ids == lone_byte
 
 
-@pytest.mark.skipif(not SMOL_DIR.is_dir(), reason=f"{SMOL_DIR} (converted SmolLM2-135M-Instruct) is absent")
-def test_smollm2_streams() -> None:
-    tok = TextTokenizer.from_dir(SMOL_DIR)
+@pytest.mark.slow
+def test_smollm2_streams(smollm2_dir: Path) -> None:
+    tok = TextTokenizer.from_dir(smollm2_dir)
     rng = random.Random(7)
     prompt = tok.encode_chat([{"role": "user", "content": "Write something"}])
     for text in MULTIBYTE_TEXTS:

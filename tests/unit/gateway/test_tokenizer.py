@@ -14,7 +14,6 @@ from services.gateway.chat_template import ChatTemplateError, render_chat_templa
 from services.gateway.tokenizer import NoChatTemplateError, TextTokenizer
 from tests.unit.gateway import CHATML_TEMPLATE, CORPUS, build_tiny_model_dir
 
-SMOL_DIR = Path("/tmp/smol/hf")
 REPO_ROOT = Path(__file__).resolve().parents[3]
 
 TEXTS = [
@@ -162,10 +161,10 @@ def test_trim_and_lstrip_blocks() -> None:
     assert render_chat_template(template, [{"role": "user", "content": "a"}]) == "a\n"
 
 
-@pytest.mark.skipif(not SMOL_DIR.is_dir(), reason=f"{SMOL_DIR} (converted SmolLM2-135M-Instruct) is absent")
-def test_smollm2_matches_transformers() -> None:
-    _check_against_transformers(SMOL_DIR)
-    tok = TextTokenizer.from_dir(SMOL_DIR)
+@pytest.mark.slow
+def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
+    _check_against_transformers(smollm2_dir)
+    tok = TextTokenizer.from_dir(smollm2_dir)
     assert tok.vocab_size == 49152
     assert tok.max_position_embeddings == 8192
     assert tok.eos_token_ids == [2]
