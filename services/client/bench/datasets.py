@@ -1,0 +1,106 @@
+"""Benchmark workloads: the same token-id prompts and output lengths for every backend."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+# Low ids are special tokens in most vocabularies (BOS, EOS, chat markers); random prompts avoid them.
+FIRST_ORDINARY_ID = 100
+
+
+@dataclass(frozen=True)
+class BenchRequest:
+    """One request of a workload: prompt token ids and how many tokens to generate (EOS ignored)."""
+
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+class Encoder(Protocol):
+    """What the JSONL dataset needs of a tokenizer (the gateway's TextTokenizer fits)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
+
+
+def _draw(rng: random.Random, bounds: tuple[int, int]) -> int:
+    lo, hi = bounds
+    if not 1 <= lo <= hi:
+        raise ValueError(f"length range {lo}-{hi} must satisfy 1 <= low <= high")
+    return rng.randint(lo, hi)
+
+
+def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n)]
+
+
+def random_dataset(
+    num_prompts: int,
+    input_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """Random token prompts with lengths drawn uniformly from the given inclusive ranges."""
+    rng = random.Random(seed)
+    return [
+        BenchRequest(_tokens(rng, _draw(rng, input_len), vocab_size), _draw(rng, output_len))
+        for _ in range(num_prompts)
+    ]
+
+
+def shared_prefix_dataset(
+    num_prompts: int,
+    prefix_len: int,
+    suffix_len: tuple[int, int],
+    output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+) -> list[BenchRequest]:
+    """One common prefix of prefix_len tokens, then a distinct random suffix per prompt."""
+    rng = random.Random(seed)
+    prefix = _tokens(rng, prefix_len, vocab_size)
+    return [
+        BenchRequest(prefix + _tokens(rng, _draw(rng, suffix_len), vocab_size), _draw(rng, output_len))
+        for _ in range(num_prompts)
+    ]
+
+
+def jsonl_dataset(
+    path: Path, encoder: Encoder, default_output_len: int, num_prompts: int | None = None
+) -> list[BenchRequest]:
+    """Lines of {"prompt": str} or {"messages": [{"role", "content"}]}, optional "output_len"."""
+    requests: list[BenchRequest] = []
+    for lineno, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{lineno}: not JSON ({err.msg})") from err
+        if "prompt" in record:
+            ids = encoder.encode(str(record["prompt"]))
+        elif "messages" in record:
+            ids = encoder.encode_chat([{"role": m["role"], "content": m["content"]} for m in record["messages"]])
+        else:
+            raise ValueError(f"{path}:{lineno}: needs a 'prompt' or 'messages' field")
+        output_len = int(record.get("output_len", default_output_len))
+        if output_len < 1:
+            raise ValueError(f"{path}:{lineno}: output_len must be >= 1")
+        requests.append(BenchRequest(ids, output_len))
+        if num_prompts is not None and len(requests) == num_prompts:
+            break
+    if not requests:
+        raise ValueError(f"{path} holds no prompts")
+    return requests
+
+
+def total_output_tokens(requests: Sequence[BenchRequest]) -> int:
+    """Tokens the workload asks for."""
+    return sum(r.output_len for r in requests)
