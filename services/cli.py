@@ -14,6 +14,7 @@ from services.common.settings import add_settings_arguments, settings_from_args
 def _build_parser() -> argparse.ArgumentParser:
     # Settings classes import only pydantic; heavy modules load inside the chosen verb.
     from services.client import commands, up
+    from services.client.bench import command
     from services.gateway.settings import GatewaySettings
     from services.scheduler.settings import SchedulerSettings
     from services.worker.settings import WorkerSettings
@@ -36,6 +37,7 @@ def _build_parser() -> argparse.ArgumentParser:
     chat = verbs.add_parser("chat", help="interactive chat")
     chat.add_argument("--system", default=None, help="system message")
     commands.add_sampling_arguments(chat)
+    command.add_arguments(verbs.add_parser("bench", help="serving benchmark (vllm bench serve semantics)"))
     return parser
 
 
@@ -67,7 +69,9 @@ def main(argv: list[str] | None = None) -> None:
         runners["worker"] = lambda: serve_worker(settings_from_args(WorkerSettings, ns))
     else:
         from services.client import commands, up
+        from services.client.bench import command
 
+        runners["bench"] = lambda: command.main(ns)
         runners.update(
             up=lambda: up.run(ns),
             generate=lambda: commands.generate_main(ns),

@@ -225,10 +225,13 @@ class ModelRunner:
             slots.extend(req.block_ids[p // bs] * bs + p % bs for p in span)
             query_start.append(query_start[-1] + item.num_scheduled)
             seq_lens.append(end)
-        max_blocks = max(len(item.request.block_ids) for item in work)
-        block_tables = torch.zeros((len(work), max_blocks), dtype=torch.int64)
-        for row, item in enumerate(work):
-            block_tables[row, : len(item.request.block_ids)] = torch.tensor(item.request.block_ids)
+        # Only the blocks up to each sequence's end are read; padding with block 0 is masked out.
+        needed = [-(-n // bs) for n in seq_lens]
+        width = max(needed)
+        block_tables = torch.tensor(
+            [item.request.block_ids[:n] + [0] * (width - n) for item, n in zip(work, needed, strict=True)],
+            dtype=torch.int64,
+        )
 
         device = self.device
         meta = AttentionMetadata(

@@ -78,10 +78,12 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logit rows for {len(requests)} requests")
         logits = logits.float().cpu()
         out: list[Sampled] = []
-        for row, request in zip(logits, requests, strict=True):
+        # One argmax for the whole batch: most rows of a serving batch are greedy.
+        argmax = logits.argmax(dim=-1).tolist()
+        for i, (row, request) in enumerate(zip(logits, requests, strict=True)):
             params = request.params
             if is_greedy(params):
-                token = int(torch.argmax(row).item())
+                token = argmax[i]
             else:
                 probs = torch.softmax(process_logits(row, params), dim=-1)
                 generator = self._generator

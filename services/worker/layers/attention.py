@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 
 @dataclass
@@ -58,30 +59,74 @@ def paged_attention(
     """Causal attention of q [T, Hq, D] over each sequence's cached context; returns [T, Hq, D].
 
     A sequence's query tokens are its last (query_start_loc[b+1] - query_start_loc[b]) cached
-    tokens, so this serves prefill chunks and decodes alike. Softmax runs in float32.
+    tokens, so this serves prefill chunks and decodes alike. Decodes (one query token) are batched
+    into one padded attention; prefill chunks run one SDPA each. Softmax accumulates in float32.
     """
-    num_heads = q.shape[1]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
+    decode_rows: list[int] = []
+    decode_seqs: list[int] = []
     for b, seq_len in enumerate(lens):
         start, end = starts[b], starts[b + 1]
-        num_query = end - start
-        if num_query == 0:
-            continue
-        k = gather_kv(k_cache, block_tables[b], seq_len).float()
-        v = gather_kv(v_cache, block_tables[b], seq_len).float()
-        if group > 1:
-            k = k.repeat_interleave(group, dim=1)
-            v = v.repeat_interleave(group, dim=1)
-        qs = q[start:end].float()
-        scores = torch.einsum("qhd,khd->hqk", qs, k) * scale
-        context = seq_len - num_query
-        query_pos = torch.arange(num_query).unsqueeze(1) + context
-        key_pos = torch.arange(seq_len).unsqueeze(0)
-        scores.masked_fill_((key_pos > query_pos).to(scores.device), float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        out[start:end] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+        if end - start == 1:
+            decode_rows.append(start)
+            decode_seqs.append(b)
+        elif end > start:
+            out[start:end] = _prefill_attention(q[start:end], k_cache, v_cache, block_tables[b], seq_len, scale)
+    if len(decode_rows) == len(lens):
+        # A pure decode step (the common case): no scatter back into out.
+        return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    if decode_rows:
+        rows = torch.tensor(decode_rows, device=q.device)
+        seqs = torch.tensor(decode_seqs, device=block_tables.device)
+        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale)
     return out
+
+
+def _prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, scale: float
+) -> torch.Tensor:
+    """One sequence's query chunk [Q, Hq, D] against its first seq_len cached tokens."""
+    num_query = q.shape[0]
+    k = gather_kv(k_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
+    v = gather_kv(v_cache, block_table, seq_len).transpose(0, 1).unsqueeze(0)
+    qs = q.transpose(0, 1).unsqueeze(0)
+    context = seq_len - num_query
+    if context == 0:
+        attn = F.scaled_dot_product_attention(qs, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Query i sits at position context + i and sees keys 0..context + i.
+        query_pos = torch.arange(num_query, device=q.device).unsqueeze(1) + context
+        key_pos = torch.arange(seq_len, device=q.device).unsqueeze(0)
+        mask = key_pos <= query_pos
+        attn = F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return attn.squeeze(0).transpose(0, 1)
+
+
+def _decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """One query token per sequence [B, Hq, D], all sequences at once, padded to the longest."""
+    batch, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    max_len = int(seq_lens.max())
+    num_blocks = -(-max_len // block_size)
+    table = block_tables[:, :num_blocks].reshape(-1)
+    # [B, L, Hk, D] -> [B, Hk, L, D]; padding blocks are masked below.
+    k = k_cache.index_select(0, table).view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, table).view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
+    qg = q.reshape(batch, num_kv_heads, group, head_dim).float()
+    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hk, G, L]
+    key_pos = torch.arange(num_blocks * block_size, device=q.device)
+    pad = key_pos.unsqueeze(0) >= seq_lens.to(q.device).unsqueeze(1)  # [B, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs, v.float())  # [B, Hk, G, D]
+    return out.reshape(batch, num_heads, head_dim).to(q.dtype)

@@ -1,0 +1,301 @@
+"""`meshserve bench`: a serving benchmark against the gateway, or an in-process baseline on the same workload."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from services.client.bench.datasets import BenchRequest, jsonl_dataset, random_dataset, shared_prefix_dataset
+from services.client.bench.metrics import SLO_METRICS
+from services.client.bench.records import RequestRecord
+from services.common.model_paths import embedded_model_dir
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+BACKENDS = ("meshserve", "transformers", "raw-runner")
+DATASETS = ("random", "shared-prefix", "jsonl")
+CONNECT_TIMEOUT_S = 10.0
+
+
+class UsageError(ValueError):
+    """A bad flag value; the message names the flag."""
+
+
+def length_range(text: str) -> tuple[int, int]:
+    """ "N" or "LO-HI" (inclusive, 1 <= LO <= HI) as a (lo, hi) pair."""
+    lo_text, sep, hi_text = text.strip().partition("-")
+    try:
+        lo = int(lo_text)
+        hi = int(hi_text) if sep else lo
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or LO-HI with whole numbers, got {text!r}") from None
+    if not 1 <= lo <= hi:
+        raise argparse.ArgumentTypeError(f"expected 1 <= LO <= HI, got {text!r}")
+    return lo, hi
+
+
+def request_rate(text: str) -> float:
+    """A positive number of requests per second, or "inf" (all at once)."""
+    try:
+        rate = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'inf', got {text!r}") from None
+    if math.isnan(rate) or rate <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
+    return rate
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text!r}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """A whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
+    return value
+
+
+def slo(text: str) -> tuple[str, float]:
+    """One goodput SLO "metric:ms" (metric one of ttft, tpot, itl, e2el)."""
+    name, sep, value = text.partition(":")
+    name = name.strip().lower()
+    if not sep or name not in SLO_METRICS:
+        raise argparse.ArgumentTypeError(
+            f"expected METRIC:MS with METRIC one of {', '.join(SLO_METRICS)}, got {text!r}"
+        )
+    try:
+        limit = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of milliseconds in {text!r}") from None
+    if not math.isfinite(limit) or limit <= 0:
+        raise argparse.ArgumentTypeError(f"the limit must be a finite number of ms > 0, got {text!r}")
+    return name, limit
+
+
+def goodput_slos(pairs: list[tuple[str, float]] | None) -> dict[str, float] | None:
+    """The SLOs of --goodput as a dict; a metric given twice is an error."""
+    if not pairs:
+        return None
+    slos: dict[str, float] = {}
+    for name, limit in pairs:
+        if name in slos:
+            raise UsageError(f"--goodput: {name} given more than once")
+        slos[name] = limit
+    return slos
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The bench verb's flags."""
+
+    parser.add_argument("--address", default=DEFAULT_ADDRESS, help="gateway host:port (meshserve backend)")
+    parser.add_argument("--backend", choices=BACKENDS, default="meshserve", help="who serves the workload")
+    parser.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"model directory: vocabulary and tokenizer for the dataset, weights for the in-process backends "
+        f"(default: the embedded model, {embedded_model_dir()})",
+    )
+    parser.add_argument("--dataset", choices=DATASETS, default="random")
+    parser.add_argument("--dataset-path", type=Path, default=None, help="JSONL file for --dataset jsonl")
+    parser.add_argument("--num-prompts", type=positive_int, default=100)
+    parser.add_argument("--random-input-len", type=length_range, default=(1024, 1024), metavar="N|LO-HI")
+    parser.add_argument("--random-output-len", type=length_range, default=(128, 128), metavar="N|LO-HI")
+    parser.add_argument("--shared-prefix-len", type=positive_int, default=256, help="tokens common to every prompt")
+    parser.add_argument("--shared-suffix-len", type=length_range, default=(256, 256), metavar="N|LO-HI")
+    parser.add_argument("--shared-output-len", type=length_range, default=(128, 128), metavar="N|LO-HI")
+    parser.add_argument(
+        "--jsonl-output-len", type=positive_int, default=128, help="output length of JSONL lines without one"
+    )
+    parser.add_argument(
+        "--request-rate", type=request_rate, default=math.inf, help="requests per second, or inf (all at once)"
+    )
+    parser.add_argument(
+        "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson"
+    )
+    parser.add_argument(
+        "--max-concurrency",
+        type=positive_int,
+        default=None,
+        help="requests in flight at most (the batch size of the in-process backends, default 1 there)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals")
+    parser.add_argument("--num-warmups", type=non_negative_int, default=0, help="untimed requests sent first")
+    parser.add_argument(
+        "--goodput",
+        type=slo,
+        nargs="+",
+        default=None,
+        metavar="METRIC:MS",
+        help="SLOs for goodput, e.g. ttft:500 tpot:50 (metrics: ttft, tpot, itl, e2el)",
+    )
+    parser.add_argument("--save-result", type=Path, default=None, metavar="PATH", help="write the results as JSON")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="in-process backends")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _vocab_size(model_dir: Path) -> int:
+    config_path = model_dir / "config.json"
+    if not config_path.is_file():
+        raise UsageError(f"--model {model_dir}: no config.json (a Hugging Face model directory is needed)")
+    try:
+        vocab = json.loads(config_path.read_text()).get("vocab_size")
+    except (OSError, json.JSONDecodeError) as err:
+        raise UsageError(f"--model {model_dir}: cannot read config.json ({err})") from err
+    if not isinstance(vocab, int) or vocab < 1:
+        raise UsageError(f"--model {model_dir}: config.json has no usable vocab_size")
+    return vocab
+
+
+def build_workload(ns: argparse.Namespace, model_dir: Path) -> list[BenchRequest]:
+    """The requests the flags describe; UsageError for bad combinations."""
+    if ns.dataset == "jsonl":
+        if ns.dataset_path is None:
+            raise UsageError("--dataset-path is required with --dataset jsonl")
+        if not ns.dataset_path.is_file():
+            raise UsageError(f"--dataset-path {ns.dataset_path} is not a file")
+        from services.gateway.tokenizer import TextTokenizer
+
+        try:
+            tokenizer = TextTokenizer.from_dir(model_dir)
+        except Exception as err:  # any tokenizer load failure is a problem with --model
+            raise UsageError(f"--model {model_dir}: cannot load the tokenizer ({err})") from err
+        try:
+            return jsonl_dataset(ns.dataset_path, tokenizer, ns.jsonl_output_len, ns.num_prompts)
+        except (ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"--dataset-path: {err}") from err
+    vocab = _vocab_size(model_dir)
+    if ns.dataset == "shared-prefix":
+        return shared_prefix_dataset(
+            ns.num_prompts, ns.shared_prefix_len, ns.shared_suffix_len, ns.shared_output_len, vocab, ns.seed
+        )
+    return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, ns.seed)
+
+
+async def _check_reachable(address: str) -> None:
+    from services.common.channels import insecure_channel
+
+    async with insecure_channel(address) as channel:
+        try:
+            await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
+        except TimeoutError:
+            raise ConnectionError(f"--address {address}: no gateway answered within {CONNECT_TIMEOUT_S:g} s") from None
+
+
+async def _run_backend(
+    ns: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]
+) -> tuple[list[RequestRecord], float]:
+    progress = not ns.no_progress
+    if ns.backend == "meshserve":
+        from services.client.bench.runner import run_benchmark
+
+        await _check_reachable(ns.address)
+        return await run_benchmark(
+            ns.address,
+            requests,
+            request_rate=ns.request_rate,
+            burstiness=ns.burstiness,
+            max_concurrency=ns.max_concurrency,
+            seed=ns.seed,
+            num_warmups=ns.num_warmups,
+            progress=progress,
+        )
+    # In-process backends run the workload in batches; arrival times do not apply to them.
+    if not math.isinf(ns.request_rate):
+        print(f"note: --request-rate is ignored by the {ns.backend} backend", file=sys.stderr)
+    batch_size = ns.max_concurrency or 1
+    if ns.backend == "transformers":
+        from services.worker.benchmarks.transformers_baseline import run_transformers_baseline
+
+        return run_transformers_baseline(model_dir, requests, batch_size, ns.dtype, progress)
+    from services.worker.benchmarks.raw_runner import run_raw_runner
+
+    return run_raw_runner(model_dir, requests, batch_size, ns.dtype, progress)
+
+
+def _settings(ns: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
+    # What was run, saved next to the results so that a JSON file explains itself.
+    return {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "address": ns.address if ns.backend == "meshserve" else None,
+        "model": str(model_dir),
+        "dataset": ns.dataset,
+        "dataset_path": str(ns.dataset_path) if ns.dataset_path else None,
+        "num_prompts": ns.num_prompts,
+        "seed": ns.seed,
+        "num_warmups": ns.num_warmups,
+        "dtype": ns.dtype if ns.backend != "meshserve" else None,
+    }
+
+
+def prepare(ns: argparse.Namespace) -> tuple[Path, dict[str, float] | None, list[BenchRequest]]:
+    """Model directory, goodput SLOs and workload from the flags; UsageError naming the flag when one is bad."""
+    model_dir: Path = ns.model.expanduser() if ns.model else embedded_model_dir()
+    slos = goodput_slos(ns.goodput)
+    if not model_dir.is_dir():
+        hint = "" if ns.model else " (run `meshserve up` once to fetch the embedded model, or pass --model)"
+        raise UsageError(f"--model {model_dir} is not a directory{hint}")
+    return model_dir, slos, build_workload(ns, model_dir)
+
+
+async def main(ns: argparse.Namespace) -> int:
+    """Run the benchmark the flags describe; 2 for bad flags, 1 when nothing completed or it could not run."""
+    from services.client.bench.metrics import summarize
+    from services.client.bench.report import per_request_details, print_summary, save_result
+
+    try:
+        model_dir, slos, requests = prepare(ns)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        records, duration = await _run_backend(ns, model_dir, requests)
+    except ImportError as err:
+        print(f"error: --backend {ns.backend} is not available here: {err}", file=sys.stderr)
+        return 1
+    except (ConnectionError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    summary = summarize(
+        records,
+        duration,
+        goodput_slos=slos,
+        backend=ns.backend,
+        # The in-process backends run batch_size requests at a time, which is their concurrency.
+        max_concurrency=ns.max_concurrency if ns.backend == "meshserve" else ns.max_concurrency or 1,
+        request_rate=ns.request_rate if ns.backend == "meshserve" else math.inf,
+        burstiness=ns.burstiness,
+    )
+    print_summary(summary)
+    if ns.save_result is not None:
+        save_result(ns.save_result, summary, {**_settings(ns, model_dir), **per_request_details(records)})
+        print(f"results saved to {ns.save_result}")
+    return 0 if summary.completed else 1

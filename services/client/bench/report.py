@@ -1,0 +1,95 @@
+"""Print a benchmark summary as vLLM does and save it as JSON."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from services.client.bench.metrics import BenchSummary
+from services.client.bench.records import RequestRecord
+
+WIDTH = 50
+_SECTIONS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
+
+
+def _row(label: str, value: object) -> str:
+    return f"{label:<40} {value:<10}"
+
+
+def format_summary(summary: BenchSummary) -> str:
+    """The summary as vLLM's result table."""
+    s = summary
+    rate = "inf" if math.isinf(s.request_rate) else f"{s.request_rate:g}"
+    lines = [
+        " Serving Benchmark Result ".center(WIDTH, "="),
+        _row("Backend:", s.backend),
+        _row("Traffic request rate:", rate),
+        _row("Burstiness factor:", f"{s.burstiness:g}"),
+        _row("Maximum request concurrency:", s.max_concurrency if s.max_concurrency is not None else "none"),
+        _row("Successful requests:", s.completed),
+        _row("Failed requests:", s.failed),
+        _row("Benchmark duration (s):", f"{s.duration_s:.2f}"),
+        _row("Total input tokens:", s.total_input_tokens),
+        _row("Total generated tokens:", s.total_output_tokens),
+    ]
+    if s.output_len_mismatches:
+        lines.append(_row("Requests with wrong output length:", s.output_len_mismatches))
+    if s.total_cached_tokens:
+        lines.append(_row("Cached prompt tokens:", s.total_cached_tokens))
+    lines.append(_row("Request throughput (req/s):", f"{s.request_throughput:.2f}"))
+    if s.goodput is not None:
+        lines.append(_row("Request goodput (req/s):", f"{s.goodput:.2f}"))
+    lines += [
+        _row("Output token throughput (tok/s):", f"{s.output_throughput:.2f}"),
+        _row("Total token throughput (tok/s):", f"{s.total_token_throughput:.2f}"),
+    ]
+    for key, short, title in _SECTIONS:
+        lines.append(title.center(WIDTH, "-"))
+        for kind, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(_row(f"{label} {short} (ms):", f"{getattr(s, f'{kind}_{key}_ms'):.2f}"))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def print_summary(summary: BenchSummary, file: TextIO | None = None) -> None:
+    """Print the table, then the distinct errors of failed requests."""
+    out = file or sys.stdout
+    print(format_summary(summary), file=out)
+    for error, count in summary.errors.items():
+        print(f"{count} request(s) failed: {error}", file=out)
+    if summary.output_len_mismatches:
+        print(
+            f"warning: {summary.output_len_mismatches} request(s) received a different number of tokens "
+            f"({summary.total_output_tokens} received, {summary.requested_output_tokens} requested)",
+            file=out,
+        )
+
+
+def per_request_details(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:
+    """Per-request arrays for the saved JSON (latencies in seconds, as vLLM saves them)."""
+    return {
+        "input_lens": [r.prompt_len for r in records],
+        "output_lens": [r.num_output_tokens for r in records],
+        "requested_output_lens": [r.output_len for r in records],
+        "cached_tokens": [r.cached_tokens for r in records],
+        "ttfts": [r.ttft if r.token_times else None for r in records],
+        "itls": [r.itls for r in records],
+        "errors": [r.error for r in records],
+    }
+
+
+def save_result(path: Path, summary: BenchSummary, extra: Mapping[str, Any]) -> None:
+    """Write the summary's fields, then extra, as one JSON object."""
+    data = {**summary.to_dict(), **extra}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # allow_nan=False: a stray inf/NaN must fail here, not in whoever reads the file later.
+    path.write_text(json.dumps(data, indent=2, allow_nan=False) + "\n")

@@ -1,0 +1,1 @@
+"""Unit tests of the Python client and `meshserve bench`."""
