@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
 import grpc
@@ -33,6 +34,7 @@ class AttachClient:
         hello: worker_pb2.WorkerHello,
         executor: StepExecutor,
         on_attached: Callable[[bool], Awaitable[None]],
+        executor_thread: ThreadPoolExecutor,
         reconnect_interval: float = 1.0,
     ) -> None:
         self.scheduler_address = scheduler_address
@@ -40,6 +42,9 @@ class AttachClient:
         self.executor = executor
         self.on_attached = on_attached
         self.reconnect_interval = reconnect_interval
+        # Always the same thread: OpenMP keeps one thread team per calling thread, and a
+        # different pool thread per step would start competing teams on the same cores.
+        self._thread = executor_thread
         self._outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
         self._stopping = False
         self._attached = False
@@ -77,7 +82,8 @@ class AttachClient:
                 log.info("attached to scheduler", scheduler=self.scheduler_address)
                 await self.on_attached(True)
             elif message.HasField("step"):
-                result = await asyncio.to_thread(self._execute, message.step)
+                loop = asyncio.get_running_loop()
+                result = await loop.run_in_executor(self._thread, self._execute, message.step)
                 self._outbox.put_nowait(worker_pb2.WorkerMessage(result=result))
         log.info("scheduler closed the attach stream")
 

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import socket
+from concurrent.futures import ThreadPoolExecutor
 
 import structlog
 
@@ -47,7 +48,8 @@ async def serve(settings: WorkerSettings) -> None:
     # Imported here: torch loads only in the process that runs the model.
     from services.worker.model_runner import ModelRunner
 
-    runner = await asyncio.to_thread(ModelRunner, config)
+    model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
+    runner = await asyncio.get_running_loop().run_in_executor(model_thread, ModelRunner, config)
     worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}:{service.port}"
     hello = worker_pb2.WorkerHello(
         worker_id=worker_id,
@@ -64,7 +66,9 @@ async def serve(settings: WorkerSettings) -> None:
         max_num_batched_tokens=settings.max_num_batched_tokens,
     )
     log.info("model loaded", model=runner.model_name, num_blocks=runner.num_blocks, worker_id=worker_id)
-    client = AttachClient(settings.scheduler_address, hello, runner, service.set_serving, settings.reconnect_interval)
+    client = AttachClient(
+        settings.scheduler_address, hello, runner, service.set_serving, model_thread, settings.reconnect_interval
+    )
     attach_task = asyncio.create_task(client.run())
 
     async def drain(grace: float) -> None:
@@ -79,3 +83,4 @@ async def serve(settings: WorkerSettings) -> None:
     attach_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await attach_task
+    model_thread.shutdown(wait=True)

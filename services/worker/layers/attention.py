@@ -112,21 +112,18 @@ def _decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence [B, Hq, D], all sequences at once, padded to the longest."""
-    batch, num_heads, head_dim = q.shape
+    """One query token per sequence [B, Hq, D], all sequences in one SDPA, padded to the longest."""
+    batch, head_dim = q.shape[0], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
-    group = num_heads // num_kv_heads
     max_len = int(seq_lens.max())
     num_blocks = -(-max_len // block_size)
     table = block_tables[:, :num_blocks].reshape(-1)
-    # [B, L, Hk, D] -> [B, Hk, L, D]; padding blocks are masked below.
-    k = k_cache.index_select(0, table).view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, table).view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
-    qg = q.reshape(batch, num_kv_heads, group, head_dim).float()
-    scores = torch.matmul(qg, k.float().transpose(-1, -2)) * scale  # [B, Hk, G, L]
-    key_pos = torch.arange(num_blocks * block_size, device=q.device)
-    pad = key_pos.unsqueeze(0) >= seq_lens.to(q.device).unsqueeze(1)  # [B, L]
-    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v.float())  # [B, Hk, G, D]
-    return out.reshape(batch, num_heads, head_dim).to(q.dtype)
+    padded = num_blocks * block_size
+    # [B, L, Hk, D] viewed as [B, Hk, L, D]; keys past a sequence's end are masked out.
+    k = k_cache.index_select(0, table).view(batch, padded, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, table).view(batch, padded, num_kv_heads, head_dim).transpose(1, 2)
+    valid = torch.arange(padded, device=q.device).unsqueeze(0) < seq_lens.to(q.device).unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        q.unsqueeze(2), k, v, attn_mask=valid[:, None, None, :], scale=scale, enable_gqa=True
+    )
+    return out.squeeze(2)
