@@ -29,12 +29,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(scheduler default: on)"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
 def _optional(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
+
+
+def _prefix_caching(enabled: bool | None) -> list[str]:
+    if enabled is None:
+        return []
+    return ["--enable-prefix-caching" if enabled else "--no-enable-prefix-caching"]
 
 
 def _model_dir(model: str | None) -> str:
@@ -69,6 +78,7 @@ async def run(ns: argparse.Namespace) -> int:
             scheduler_args=[
                 *_optional("--max-num-seqs", ns.max_num_seqs),
                 *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
+                *_prefix_caching(ns.enable_prefix_caching),
             ],
             worker_args=["--dtype", ns.dtype, "--kv-cache-memory", ns.kv_cache_memory],
         )
