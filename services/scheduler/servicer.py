@@ -66,6 +66,8 @@ class _AttachedWorker:
     draining: bool = False
     closing: bool = False
     gone: bool = False
+    # Counter values already exported to Prometheus (the planner keeps running totals).
+    exported: tuple[int, int, int] = (0, 0, 0)
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
@@ -353,10 +355,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 log.error("step failed on worker", worker_id=worker.hello.worker_id, error=result.error)
             self._dispatch(ws.update(step, result))
             self._update_gauges()
-            stats = ws.stats()
-            self.metrics.kv_cache_usage_perc.labels(worker=worker.hello.worker_id).set(
-                1.0 - stats.num_free_blocks / stats.num_blocks
-            )
+            self._export_counters(worker)
+
+    def _export_counters(self, worker: _AttachedWorker) -> None:
+        stats = worker.scheduler.stats()
+        self.metrics.kv_cache_usage_perc.labels(worker=worker.hello.worker_id).set(stats.kv_cache_usage)
+        totals = (stats.num_preemptions, stats.prefix_cache_queries, stats.prefix_cache_hits)
+        preempted, queries, hits = (now - before for now, before in zip(totals, worker.exported, strict=True))
+        worker.exported = totals
+        self.metrics.num_preemptions.inc(preempted)
+        self.metrics.prefix_cache_queries.inc(queries)
+        self.metrics.prefix_cache_hits.inc(hits)
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         now = time.monotonic()

@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import signal
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -14,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.client.client import GenerationClient, build_request, sampling_params
+from services.client.launcher import free_port
 from services.common.channels import insecure_channel
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
 from services.gateway.raw_request import encode_raw_request
@@ -205,20 +207,25 @@ async def test_health_reflection_and_request_id(tiny_suite: Suite) -> None:
 def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path) -> None:
     # 20 blocks of 16 tokens (fp32, 2 layers, 2 KV heads of 16): far less than 8 requests need at once.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
+    metrics_port = free_port()
     suite = start_suite(
         tiny_model_dir,
         tmp_path,
         worker_args=["--kv-cache-memory", str(20 * block_bytes), "--max-model-len", "320"],
-        scheduler_args=["--max-num-batched-tokens", "128"],
+        scheduler_args=["--max-num-batched-tokens", "128", "--metrics-port", str(metrics_port)],
         gateway_args=["--max-model-len", "320"],
     )
     try:
         prompts = _prompts(8, seed=5, lo=30, hi=80)
         answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=40))
         stats = asyncio.run(suite.wait_idle())
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
     finally:
         suite.stop()
     assert stats.num_preemptions > 0, "the KV cache was not small enough to force preemption"
+    assert f"meshserve:num_preemptions_total {float(stats.num_preemptions)}" in metrics
+    assert f"meshserve:prefix_cache_queries_total {float(stats.prefix_cache_queries)}" in metrics
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer.token_ids == transformers_greedy(tiny_model_dir, prompt, 40)
 
