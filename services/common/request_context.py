@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from typing import Any
 
 import grpc
@@ -20,12 +20,16 @@ def new_request_id() -> str:
     return uuid.uuid4().hex
 
 
-def request_id_from_metadata(context: grpc.aio.ServicerContext) -> str | None:
-    """The caller's x-request-id, if it sent one."""
-    for key, value in context.invocation_metadata() or ():
+def _find_request_id(metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+    for key, value in metadata or ():
         if key == METADATA_KEY:
             return value if isinstance(value, str) else value.decode()
     return None
+
+
+def request_id_from_metadata(context: grpc.aio.ServicerContext) -> str | None:
+    """The caller's x-request-id, if it sent one."""
+    return _find_request_id(context.invocation_metadata())
 
 
 def outgoing_metadata(request_id: str) -> tuple[tuple[str, str], ...]:
@@ -43,13 +47,6 @@ def bound_request_id(request_id: str | None) -> Iterator[None]:
         yield
 
 
-def _metadata_request_id(details: grpc.HandlerCallDetails) -> str | None:
-    for key, value in details.invocation_metadata or ():
-        if key == METADATA_KEY:
-            return value if isinstance(value, str) else value.decode()
-    return None
-
-
 class RequestIdInterceptor(grpc.aio.ServerInterceptor):
     """Binds the incoming x-request-id inside each handler's own task, so logs carry it."""
 
@@ -59,7 +56,7 @@ class RequestIdInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        request_id = _metadata_request_id(handler_call_details)
+        request_id = _find_request_id(handler_call_details.invocation_metadata)
         if handler is None or request_id is None:
             return handler
         return _wrap_handler(handler, request_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from services.client.launcher import (
@@ -30,7 +30,6 @@ class Suite:
     workers: list[ServiceProcess]
     gateway: ServiceProcess
     log_dir: Path
-    extra: dict[str, str] = field(default_factory=dict)
 
     @property
     def address(self) -> str:

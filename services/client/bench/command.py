@@ -61,26 +61,24 @@ def positive_float(text: str) -> float:
     return value
 
 
-def positive_int(text: str) -> int:
-    """A whole number >= 1."""
+def _int_at_least(minimum: int, text: str) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {text!r}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {text!r}")
     return value
+
+
+def positive_int(text: str) -> int:
+    """A whole number >= 1."""
+    return _int_at_least(1, text)
 
 
 def non_negative_int(text: str) -> int:
     """A whole number >= 0."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text!r}")
-    return value
+    return _int_at_least(0, text)
 
 
 def slo(text: str) -> tuple[str, float]:
