@@ -1,18 +1,13 @@
-"""Static configuration of one worker engine (model, dtype, device, KV budget, batch limits)."""
+"""Static configuration of one worker engine (model, precision, device, parallelism, KV budget, batch limits)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
+from services.worker.precision import Precision, parse_precision, precision_from_dtype
 
-_DTYPE_ALIASES: dict[str, str] = {
-    "float32": "float32",
-    "fp32": "float32",
-    "bfloat16": "bfloat16",
-    "bf16": "bfloat16",
-}
 _DEVICES = ("cpu", "cuda", "npu", "auto")
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
@@ -20,10 +15,16 @@ class EngineConfig:
     """What the worker loads and how much it may batch; validated on construction."""
 
     model_path: str
-    dtype: str = "float32"
+    # vLLM-style shorthand for one dtype everywhere; --precision says more and wins when given.
+    dtype: str | None = None
+    precision: str | None = None
     device: str = "cpu"
-    block_size: int = 16
+    # None: the platform's required block size, else DEFAULT_BLOCK_SIZE.
+    block_size: int | None = None
+    tensor_parallel_size: int = 1
+    # KV budget on the CPU (bytes); on devices the budget comes from gpu_memory_utilization.
     kv_cache_memory_bytes: int = 1 << 30
+    gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
@@ -32,16 +33,23 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not self.model_path:
             raise ValueError("--model must name a Hugging Face directory or a .gguf file")
-        canonical = _DTYPE_ALIASES.get(self.dtype.lower())
-        if canonical is None:
-            raise ValueError(f"--dtype must be one of {sorted(_DTYPE_ALIASES)}, got {self.dtype!r}")
-        object.__setattr__(self, "dtype", canonical)
+        if self.dtype is not None:
+            precision_from_dtype(self.dtype)
+        if self.precision is not None:
+            # Checked with a stand-in default: the real one depends on the platform picked later.
+            parse_precision(self.precision, platform_default="fp32-fp32-fp32")
+        if self.dtype is not None and self.precision not in (None, "auto"):
+            raise ValueError("give either --dtype or --precision, not both (--precision says more)")
         if self.device not in _DEVICES:
             raise ValueError(f"--device must be one of {list(_DEVICES)}, got {self.device!r}")
-        if self.block_size < 1:
+        if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory_bytes}")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
         if self.max_num_batched_tokens < 1:
@@ -51,7 +59,21 @@ class EngineConfig:
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        """The torch dtype of weights and KV cache."""
-        return torch.float32 if self.dtype == "float32" else torch.bfloat16
+    def resolve_precision(self, platform_default: str) -> Precision:
+        """The precision to run with once the platform (and so what `auto` means) is known."""
+        if self.precision not in (None, "auto"):
+            return parse_precision(self.precision, platform_default=platform_default)
+        if self.dtype is not None:
+            return parse_precision(precision_from_dtype(self.dtype), platform_default=platform_default)
+        return parse_precision("auto", platform_default=platform_default)
+
+    def resolve_block_size(self, platform_name: str, required: int | None) -> int:
+        """--block-size checked against what the platform's kernels need."""
+        if required is None:
+            return self.block_size or DEFAULT_BLOCK_SIZE
+        if self.block_size not in (None, required):
+            raise ValueError(
+                f"--block-size {self.block_size} is not supported on {platform_name}: its paged-attention "
+                f"kernels need {required}; drop the flag or pass --block-size {required}"
+            )
+        return required

@@ -13,30 +13,6 @@ def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head
     return 2 * num_layers * block_size * num_kv_heads * head_dim * element
 
 
-def num_blocks_for_budget(
-    memory_bytes: int,
-    *,
-    num_layers: int,
-    block_size: int,
-    num_kv_heads: int,
-    head_dim: int,
-    dtype: torch.dtype,
-    max_model_len: int,
-) -> int:
-    """Blocks that fit in memory_bytes; raise if they cannot hold one max_model_len sequence."""
-    per_block = bytes_per_block(
-        num_layers=num_layers, block_size=block_size, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype
-    )
-    num_blocks = memory_bytes // per_block
-    needed = -(-max_model_len // block_size)
-    if num_blocks < needed:
-        raise ValueError(
-            f"KV cache of {num_blocks} blocks cannot hold one --max-model-len={max_model_len} sequence "
-            f"(needs {needed} blocks of {per_block} bytes): raise --kv-cache-memory or lower --max-model-len"
-        )
-    return int(num_blocks)
-
-
 @dataclass
 class KVCache:
     """The cache tensors of every layer; slot = block_id * block_size + offset."""

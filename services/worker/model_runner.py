@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import structlog
 import torch
 
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
+from services.worker.distributed import SINGLE, DistInit, init_tp_group
 from services.worker.engine_config import EngineConfig
 from services.worker.input_batch import CachedRequest, InputBatch
-from services.worker.kv_cache import KVCache, num_blocks_for_budget
+from services.worker.kv_cache import KVCache, bytes_per_block
+from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
 from services.worker.layers.attention import AttentionMetadata
-from services.worker.models.llama import LlamaArch, LlamaForCausalLM
-from services.worker.platforms import get_platform
+from services.worker.memory_profile import profile_peak_memory
+from services.worker.models.llama import LlamaArch, LlamaForCausalLM, check_tp_size
+from services.worker.platforms import Platform, get_platform
 from services.worker.sampler import Sampler, SampleRequest
+from services.worker.startup_error import StartupError
 from services.worker.weights import (
+    ModelSource,
     iter_weights,
     load_hf_config,
     model_fingerprint,
@@ -24,6 +31,8 @@ from services.worker.weights import (
 )
 
 log = structlog.get_logger()
+# Sent in place of tokens when rank 0's sampler raised.
+SAMPLING_FAILED = -1
 
 
 def _copy_params(params: sampling_pb2.SamplingParams) -> sampling_pb2.SamplingParams:
@@ -41,69 +50,123 @@ class _Scheduled:
 
 
 class ModelRunner:
-    """Owns the weights, the KV cache and the persistent batch of one (TP size 1) worker."""
+    """Owns one rank's weights shard, KV cache and persistent batch; rank 0 also samples."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self, config: EngineConfig, dist_init: DistInit | None = None, platform: Platform | None = None
+    ) -> None:
         self.config = config
-        self.platform = get_platform(config.device)
+        local_rank = dist_init.local_rank if dist_init is not None else 0
+        self.platform = platform or get_platform(config.device, local_rank)
+        # Before anything is allocated on the device (HCCL/NCCL bind to the current device too).
+        self.platform.set_device()
         self.device = self.platform.device
         self.device_type: str = self.platform.name
-        self.dtype = config.torch_dtype
+        self.precision = config.resolve_precision(self.platform.default_precision)
+        self.block_size: int = config.resolve_block_size(self.platform.name, self.platform.required_block_size)
 
         source = resolve_model_path(config.model_path)
         hf_config = load_hf_config(source)
         arch = LlamaArch.from_hf_config(hf_config)
+        check_tp_size(arch, config.tensor_parallel_size)
         max_model_len = config.max_model_len or arch.max_position_embeddings
         if max_model_len > arch.max_position_embeddings:
-            raise ValueError(
+            raise StartupError(
                 f"--max-model-len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}; lower --max-model-len"
             )
+        self.tp = init_tp_group(self.platform.dist_backend, dist_init) if dist_init is not None else SINGLE
         self.max_model_len: int = max_model_len
-        self.block_size: int = config.block_size
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = source.name
-        self.fingerprint: str = model_fingerprint(source, kv_dtype=config.dtype, block_size=config.block_size)
-        self.num_blocks: int = num_blocks_for_budget(
-            config.kv_cache_memory_bytes,
-            num_layers=arch.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype=self.dtype,
-            max_model_len=max_model_len,
-        )
-
-        started = time.perf_counter()
-        # Build on the meta device so parameters are allocated once, directly in the target dtype.
-        with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, self.platform.ops, max_model_len)
-        model = model.to(self.dtype).to_empty(device=self.device)
-        model.to_device(self.device)
-        model.load_weights(iter_weights(source))
-        self.model: LlamaForCausalLM = model.eval()
-        self.kv_cache = KVCache.allocate(
-            num_blocks=self.num_blocks,
-            num_layers=arch.num_layers,
-            block_size=config.block_size,
-            num_kv_heads=arch.num_kv_heads,
-            head_dim=arch.head_dim,
-            dtype=self.dtype,
-            device=self.device,
+        self.fingerprint: str = model_fingerprint(
+            source,
+            kv_dtype=self.precision.name,
+            block_size=self.block_size,
+            tp_size=self.tp.size,
+            rank=self.tp.rank,
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)
+        started = time.perf_counter()
+        try:
+            free_at_start = self.platform.memory_info().free_bytes
+            self.model: LlamaForCausalLM = self._load(hf_config, source, max_model_len)
+            self.num_blocks: int = self._size_kv_cache(arch, free_at_start)
+            self.kv_cache = KVCache.allocate(
+                num_blocks=self.num_blocks,
+                num_layers=arch.num_layers,
+                block_size=self.block_size,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=arch.head_dim,
+                dtype=self.precision.kv_dtype,
+                device=self.device,
+            )
+        except Exception as err:
+            if self.platform.is_out_of_memory(err):
+                raise StartupError(
+                    f"out of {self.device_type} memory while loading the model or its KV cache ({err}); lower "
+                    "--gpu-memory-utilization (or --kv-cache-memory on the CPU), --max-num-batched-tokens or "
+                    "--max-model-len, or raise --tensor-parallel-size"
+                ) from err
+            raise
         log.info(
             "model_loaded",
             model=self.model_name,
             model_type=arch.model_type,
-            dtype=config.dtype,
-            device=self.device_type,
+            precision=self.precision.name,
+            device=str(self.device),
+            tp_rank=self.tp.rank,
+            tp_size=self.tp.size,
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
             load_seconds=round(time.perf_counter() - started, 3),
         )
+
+    def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
+        """Build this rank's shard on the meta device, materialise it in the weights dtype, load it."""
+        with torch.device("meta"):
+            model = LlamaForCausalLM(hf_config, self.platform.ops, max_model_len, self.precision, self.tp)
+        model = model.to(self.precision.weights).to_empty(device=self.device)
+        model.to_device(self.device)
+        model.load_weights(iter_weights(source))
+        return model.eval()
+
+    def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
+        """Profile the largest step, then turn the memory budget into a block count all ranks share."""
+        per_block = bytes_per_block(
+            num_layers=arch.num_layers,
+            block_size=self.block_size,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=arch.head_dim,
+            dtype=self.precision.kv_dtype,
+        )
+        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        peak = profile_peak_memory(self, arch)
+        if self.platform.name == "cpu":
+            budget = self.config.kv_cache_memory_bytes
+        else:
+            info = self.platform.memory_info()
+            memory = DeviceMemory(info.total_bytes, free_at_start, weights_bytes, peak)
+            budget = device_kv_budget(memory, self.config.gpu_memory_utilization)
+        num_blocks = self.tp.min_int(blocks_for_budget(budget, per_block))
+        check_fits_one_sequence(
+            num_blocks,
+            block_size=self.block_size,
+            max_model_len=self.max_model_len,
+            bytes_per_block=per_block,
+            device=self.device_type,
+        )
+        log.info(
+            "kv_cache_sized",
+            budget_gib=round(budget / 2**30, 3),
+            weights_gib=round(weights_bytes / 2**30, 3),
+            activation_peak_gib=round(peak / 2**30, 3),
+            bytes_per_block=per_block,
+            num_blocks=num_blocks,
+        )
+        return num_blocks
 
     def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
         """Apply the step to the persistent batch, compute its tokens and sample finished rows."""
@@ -209,30 +272,71 @@ class ModelRunner:
             raise ValueError(f"request {request_id!r}: block id {bad[0]} >= num_blocks={self.num_blocks}")
 
     def _run(self, work: list[_Scheduled], result: worker_pb2.StepResult) -> None:
-        """Forward the flat batch, sample the rows that reached their end, advance the batch."""
+        """Forward the flat batch, sample the rows that reached their end (rank 0), advance the batch."""
+        spans = [
+            (item.request.token_ids, item.request.block_ids, item.request.num_computed_tokens, item.num_scheduled)
+            for item in work
+        ]
+        done = [item.request.num_computed_tokens + item.num_scheduled == item.request.num_tokens for item in work]
+        sample_work = [item for item, d in zip(work, done, strict=True) if d]
+        ends = itertools.accumulate(item.num_scheduled for item in work)
+        sample_rows = [end - 1 for end, d in zip(ends, done, strict=True) if d]
+        logits = self.forward(spans, sample_rows)
+        for item in work:
+            item.request.num_computed_tokens += item.num_scheduled
+        if logits is None:
+            return
+        token_ids: list[int] | None = None
+        logprobs: list[float | None] = [None] * len(sample_work)
+        if self.tp.is_driver:
+            requests = [SampleRequest(item.request.sampling, item.request.num_output_tokens) for item in sample_work]
+            try:
+                sampled = self.sampler.sample(logits, requests)
+            except Exception:
+                # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
+                self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_work), len(sample_work))
+                raise
+            token_ids = [s.token_id for s in sampled]
+            logprobs = [s.logprob for s in sampled]
+        # Every rank appends the same tokens so their persistent batches stay identical.
+        token_ids = self.tp.broadcast_ints(token_ids, len(sample_work))
+        if SAMPLING_FAILED in token_ids:
+            raise RuntimeError("rank 0 failed to sample this step")
+        for item, token_id, logprob in zip(sample_work, token_ids, logprobs, strict=True):
+            item.request.token_ids.append(token_id)
+            token = worker_pb2.SampledToken(request_id=item.request.request_id, token_id=token_id)
+            if logprob is not None:
+                token.logprob = logprob
+            result.sampled.append(token)
+
+    def forward(
+        self,
+        spans: list[tuple[list[int], list[int], int, int]],
+        sample_rows: list[int],
+        kv_layers: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+    ) -> torch.Tensor | None:
+        """Run sequences given as (token_ids, block_ids, num_computed, num_scheduled); logits of sample_rows."""
         input_ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         query_start = [0]
         seq_lens: list[int] = []
         bs = self.block_size
-        for item in work:
-            req = item.request
-            start, end = req.num_computed_tokens, req.num_computed_tokens + item.num_scheduled
-            input_ids.extend(req.token_ids[start:end])
+        for token_ids, block_ids, start, count in spans:
+            end = start + count
+            input_ids.extend(token_ids[start:end])
             span = range(start, end)
             positions.extend(span)
-            slots.extend(req.block_ids[p // bs] * bs + p % bs for p in span)
-            query_start.append(query_start[-1] + item.num_scheduled)
+            slots.extend(block_ids[p // bs] * bs + p % bs for p in span)
+            query_start.append(query_start[-1] + count)
             seq_lens.append(end)
         # Only the blocks up to each sequence's end are read; padding with block 0 is masked out.
         needed = [-(-n // bs) for n in seq_lens]
         width = max(needed)
         block_tables = torch.tensor(
-            [item.request.block_ids[:n] + [0] * (width - n) for item, n in zip(work, needed, strict=True)],
+            [blocks[:n] + [0] * (width - n) for (_, blocks, _, _), n in zip(spans, needed, strict=True)],
             dtype=torch.int64,
         )
-
         device = self.device
         meta = AttentionMetadata(
             slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
@@ -240,32 +344,13 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             block_tables=block_tables.to(device),
         )
-        sample_rows: list[int] = []
-        sample_work: list[_Scheduled] = []
-        for row, item in enumerate(work):
-            if item.request.num_computed_tokens + item.num_scheduled == item.request.num_tokens:
-                sample_rows.append(query_start[row + 1] - 1)
-                sample_work.append(item)
-
         with torch.inference_mode():
             hidden = self.model(
                 torch.tensor(input_ids, dtype=torch.int64, device=device),
                 torch.tensor(positions, dtype=torch.int64, device=device),
-                self.kv_cache.layers,
+                self.kv_cache.layers if kv_layers is None else kv_layers,
                 meta,
             )
-            logits = None
-            if sample_rows:
-                logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
-
-        for item in work:
-            item.request.num_computed_tokens += item.num_scheduled
-        if logits is None:
-            return
-        requests = [SampleRequest(item.request.sampling, item.request.num_output_tokens) for item in sample_work]
-        for item, sampled in zip(sample_work, self.sampler.sample(logits, requests), strict=True):
-            item.request.token_ids.append(sampled.token_id)
-            token = worker_pb2.SampledToken(request_id=item.request.request_id, token_id=sampled.token_id)
-            if sampled.logprob is not None:
-                token.logprob = sampled.logprob
-            result.sampled.append(token)
+            if not sample_rows:
+                return None
+            return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])

@@ -1,4 +1,4 @@
-"""`meshserve worker`: load the model, serve health, attach to the scheduler, execute steps."""
+"""`meshserve worker`: start the TP ranks, load the model, serve health, attach to the scheduler, execute steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,11 @@ import asyncio
 import contextlib
 import os
 import socket
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.process import BaseProcess
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -14,23 +18,30 @@ from services.common.grpc_server import GrpcService
 from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
 from services.common.proto.meshserve.v1 import worker_pb2
-from services.worker.attach import AttachClient
+from services.worker.attach import AttachClient, StepExecutor
 from services.worker.engine_config import EngineConfig
 from services.worker.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    from services.worker.distributed import DistInit
+    from services.worker.model_runner import ModelRunner
 
 log = structlog.get_logger()
 # The worker serves only grpc.health.v1 (and reflection); its work arrives over Attach.
 HEALTH_ONLY: list[str] = []
 
 
-def engine_config(settings: WorkerSettings) -> EngineConfig:
-    """The model runner's config from the worker's settings."""
+def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
+    """The model runner's config from the worker's settings and the resolved device type."""
     return EngineConfig(
         model_path=str(resolve_model_path(settings.model)),
         dtype=settings.dtype,
-        device="cpu" if settings.device == "auto" else settings.device,
+        precision=settings.precision,
+        device=device,
         block_size=settings.block_size,
+        tensor_parallel_size=settings.tensor_parallel_size,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
+        gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
@@ -38,23 +49,112 @@ def engine_config(settings: WorkerSettings) -> EngineConfig:
     )
 
 
-async def serve(settings: WorkerSettings) -> None:
-    """Load, attach, and serve steps until SIGTERM; then drain and detach."""
+def rendezvous(settings: WorkerSettings) -> str:
+    """tcp://host:port all ranks meet at: --dist-init-addr, or a free loopback port for one host."""
+    if settings.dist_init_addr:
+        return f"tcp://{settings.dist_init_addr}"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    return f"tcp://127.0.0.1:{port}"
+
+
+def _fail(message: str) -> None:
+    """Log a startup error and say it plainly on stderr (no traceback: the message names the fix)."""
+    log.error("startup_failed", error=message)
+    print(f"meshserve worker: error: {message}", file=sys.stderr, flush=True)
+
+
+async def serve(settings: WorkerSettings) -> int:
+    """Load, attach, and serve steps until SIGTERM; then drain and detach. Returns the exit code."""
     configure_logging("worker", settings.log_level, settings.log_format)
+    # torch loads only in the process that runs the model, after logging is set up.
+    from services.worker.distributed import DistInit
+    from services.worker.platforms import resolve_device
+    from services.worker.startup_error import StartupError
+    from services.worker.tp_ranks import RankSpec, prepare_rank, spawn_local_ranks
+
+    try:
+        device = resolve_device(settings.device)
+        config = engine_config(settings, device)
+    except (StartupError, ValueError) as err:
+        _fail(str(err))
+        return 1
+    first_rank = settings.node_rank * settings.ranks_per_node
+    dist = None
+    processes: list[BaseProcess] = []
+    if settings.tensor_parallel_size > 1:
+        dist = DistInit(
+            rank=first_rank, world_size=settings.tensor_parallel_size, local_rank=0, init_method=rendezvous(settings)
+        )
+        spec = RankSpec(config, dist, settings.ranks_per_node, settings.cpu_binding, settings.log_level,
+                        settings.log_format)  # fmt: skip
+        processes = spawn_local_ranks(spec, first_rank)
+    # Bind before the model thread exists: threads inherit the affinity of the thread that starts them.
+    prepare_rank(config, 0, settings.ranks_per_node, settings.cpu_binding)
+
     service = GrpcService("worker", settings, HEALTH_ONLY)
     service.install_signal_handlers()
     await service.start()
-    config = engine_config(settings)
-    # Imported here: torch loads only in the process that runs the model.
-    from services.worker.model_runner import ModelRunner
-
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
-    runner = await asyncio.get_running_loop().run_in_executor(model_thread, ModelRunner, config)
+    try:
+        runner = await _load(model_thread, config, dist, processes)
+    except (StartupError, ValueError) as err:
+        _fail(str(err))
+        await _stop_quietly(service, processes)
+        return 1
+    if first_rank != 0:
+        return await _serve_follower(service, model_thread, runner, processes)
+    return await _serve_driver(settings, service, model_thread, runner, processes)
+
+
+async def _load(
+    model_thread: ThreadPoolExecutor, config: EngineConfig, dist: DistInit | None, processes: list[BaseProcess]
+) -> ModelRunner:
+    """Build rank 0's runner on the model thread, failing fast when a local rank dies during startup."""
+    from services.worker.model_runner import ModelRunner
+    from services.worker.startup_error import StartupError
+
+    loop = asyncio.get_running_loop()
+    loading = loop.run_in_executor(model_thread, ModelRunner, config, dist)
+    while True:
+        done, _ = await asyncio.wait({loading}, timeout=0.5)
+        if done:
+            return loading.result()
+        dead = [p for p in processes if p.exitcode is not None]
+        if dead:
+            # The rendezvous would wait for the dead rank forever; its own log says why it stopped.
+            raise StartupError(f"tensor-parallel rank process {dead[0].name} exited with code {dead[0].exitcode}")
+
+
+async def _stop_quietly(service: GrpcService, processes: list[BaseProcess]) -> None:
+    for process in processes:
+        process.kill()
+    await service.server.stop(0)
+
+
+async def _serve_driver(
+    settings: WorkerSettings,
+    service: GrpcService,
+    model_thread: ThreadPoolExecutor,
+    runner: ModelRunner,
+    processes: list[BaseProcess],
+) -> int:
+    """Rank 0: attach to the scheduler and run its steps on every rank."""
+    from services.worker.tp_ranks import TensorParallelDriver, watch_ranks
+
+    stopping = threading.Event()
+    executor: StepExecutor = runner
+    driver = None
+    if runner.tp.size > 1:
+        driver = TensorParallelDriver(runner, processes, stopping)
+        executor = driver
+        watch_ranks(processes, stopping)
     worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}:{service.port}"
     hello = worker_pb2.WorkerHello(
         worker_id=worker_id,
         device=runner.device_type,
-        tensor_parallel_size=1,
+        tensor_parallel_size=runner.tp.size,
         model_fingerprint=runner.fingerprint,
         model_name=runner.model_name,
         block_size=runner.block_size,
@@ -67,7 +167,7 @@ async def serve(settings: WorkerSettings) -> None:
     )
     log.info("model loaded", model=runner.model_name, num_blocks=runner.num_blocks, worker_id=worker_id)
     client = AttachClient(
-        settings.scheduler_address, hello, runner, service.set_serving, model_thread, settings.reconnect_interval
+        settings.scheduler_address, hello, executor, service.set_serving, model_thread, settings.reconnect_interval
     )
     attach_task = asyncio.create_task(client.run())
 
@@ -83,4 +183,31 @@ async def serve(settings: WorkerSettings) -> None:
     attach_task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await attach_task
+    if driver is not None:
+        await asyncio.get_running_loop().run_in_executor(model_thread, driver.close)
     model_thread.shutdown(wait=True)
+    return 0
+
+
+async def _serve_follower(
+    service: GrpcService, model_thread: ThreadPoolExecutor, runner: ModelRunner, processes: list[BaseProcess]
+) -> int:
+    """First rank of a non-zero node: follow rank 0's commands until it shuts the group down."""
+    from services.worker.distributed import destroy_tp_group
+    from services.worker.tp_ranks import serve_commands
+
+    await service.set_serving(True)
+    following = asyncio.get_running_loop().run_in_executor(model_thread, serve_commands, runner)
+    stopped = asyncio.create_task(service.run_until_stopped(lambda grace: asyncio.sleep(0)))
+    done, _ = await asyncio.wait({following, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    code = 0
+    if following in done and following.exception() is not None:
+        log.error("tensor_parallel_group_failed", error=str(following.exception()))
+        code = 1
+    for process in processes:
+        process.join(10)
+    if not stopped.done():
+        await service.server.stop(0)
+    destroy_tp_group(runner.tp)
+    model_thread.shutdown(wait=False)
+    return code

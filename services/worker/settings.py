@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from services.common.settings import ServiceSettings
 
@@ -31,10 +31,33 @@ class WorkerSettings(ServiceSettings):
     model: str | None = Field(
         None, description="Hugging Face model directory or .gguf file (unset: the embedded SmolLM2)"
     )
-    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="device type")
-    dtype: Literal["float32", "bfloat16", "fp32", "bf16"] = Field("float32", description="weights and compute")
-    block_size: int = Field(16, description="tokens per KV block", ge=1, le=1024)
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="device type (auto: npu, then cuda, then cpu)"
+    )
+    precision: str = Field(
+        "auto",
+        description="WEIGHTS-COMPUTE-ACCUM dtypes, e.g. bf16-fp16-fp32 (auto: fp32 on cpu, bf16-bf16-fp32 on cuda, "
+        "bf16-fp16-fp32 on npu)",
+    )
+    dtype: Literal["float32", "bfloat16", "float16", "fp32", "bf16", "fp16"] | None = Field(
+        None, description="one dtype for weights, compute and accumulation (shorthand for --precision D-D-D)"
+    )
+    block_size: int | None = Field(
+        None, description="tokens per KV block (unset: 128 on npu, 16 elsewhere)", ge=1, le=1024
+    )
+    tensor_parallel_size: int = Field(1, description="ranks the model is split over (one device each)", ge=1)
+    dist_init_addr: str | None = Field(
+        None, description="host:port of rank 0's rendezvous for tensor parallelism across hosts (unset: local)"
+    )
+    nnodes: int = Field(1, description="hosts the tensor-parallel group spans", ge=1)
+    node_rank: int = Field(0, description="this host's index among --nnodes (0 attaches to the scheduler)", ge=0)
+    cpu_binding: Literal["auto", "off"] = Field(
+        "auto", description="pin each rank to its device's NUMA-local CPUs (npu-smi topo, else sysfs)"
+    )
     kv_cache_memory: str = Field("2GiB", description="KV cache size on the CPU (e.g. 2GiB)")
+    gpu_memory_utilization: float = Field(
+        0.9, description="fraction of device memory for weights, activations and KV cache (cuda, npu)", gt=0, le=1
+    )
     max_model_len: int | None = Field(None, description="longest sequence (unset: the model's)", ge=2)
     max_num_batched_tokens: int = Field(2048, description="largest step the worker must run", ge=1)
     max_num_seqs: int = Field(128, description="largest batch the worker must run", ge=1)
@@ -47,6 +70,31 @@ class WorkerSettings(ServiceSettings):
     def _valid_size(cls, value: str) -> str:
         parse_size(value)
         return value
+
+    @field_validator("precision")
+    @classmethod
+    def _valid_precision(cls, value: str) -> str:
+        from services.worker.precision import parse_precision
+
+        parse_precision(value, platform_default="fp32-fp32-fp32")
+        return value
+
+    @model_validator(mode="after")
+    def _valid_topology(self) -> WorkerSettings:
+        if self.tensor_parallel_size % self.nnodes:
+            raise ValueError(
+                f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes {self.nnodes}"
+            )
+        if self.node_rank >= self.nnodes:
+            raise ValueError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address every node can reach)")
+        return self
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks (devices) this host runs."""
+        return self.tensor_parallel_size // self.nnodes
 
     @property
     def kv_cache_memory_bytes(self) -> int:

@@ -15,6 +15,7 @@ from services.worker.engine_config import EngineConfig
 from services.worker.kv_cache import bytes_per_block
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArch
+from services.worker.precision import canonical_dtype, torch_dtype
 from services.worker.weights import load_hf_config, resolve_model_path
 
 BLOCK_SIZE = 16
@@ -52,7 +53,7 @@ def make_runner(model_dir: Path, requests: list[BenchRequest], batch_size: int, 
         block_size=BLOCK_SIZE,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        dtype=EngineConfig(model_path=str(model_dir), dtype=dtype).torch_dtype,
+        dtype=torch_dtype(canonical_dtype(dtype) or "fp32"),
     )
     # Every in-flight request may hold its longest sequence at once: no preemption, ever.
     num_blocks = batch_size * _blocks_for(max_len) + 1

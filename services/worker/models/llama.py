@@ -7,12 +7,20 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from services.worker.distributed import SINGLE, TPGroup
 from services.worker.layers.attention import AttentionMetadata
+from services.worker.layers.linear import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    Shard,
+    VocabParallelEmbedding,
+    balanced_shard,
+)
 from services.worker.layers.rotary import RotaryTable, inv_freq_for_config
 from services.worker.platforms.base import Ops
+from services.worker.precision import Precision
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
@@ -75,34 +83,84 @@ class LlamaArch:
         )
 
 
-class RMSNorm(nn.Module):
-    """RMSNorm weight; the op comes from the platform."""
+@dataclass(frozen=True)
+class HeadSplit:
+    """This rank's attention heads: its query heads and the KV heads they read (split or replicated)."""
 
-    def __init__(self, size: int, eps: float, ops: Ops) -> None:
+    num_heads: int
+    num_kv_heads: int
+    # First query / KV head of this rank in the full model.
+    head_start: int
+    kv_head_start: int
+
+    @classmethod
+    def for_rank(cls, arch: LlamaArch, tp: TPGroup) -> HeadSplit:
+        """Give each rank whole KV-head groups (as evenly as they go), or replicate KV heads when fewer than ranks."""
+        n = tp.size
+        check_tp_size(arch, n)
+        group = arch.num_heads // arch.num_kv_heads
+        if arch.num_kv_heads >= n:
+            # Uneven where n does not divide the KV heads (SmolLM2's 3 over 2 ranks): a query head must
+            # live with its KV head, so groups are never cut.
+            kv = balanced_shard(arch.num_kv_heads, n, tp.rank)
+            return cls(kv.size * group, kv.size, kv.start * group, kv.start)
+        num_heads = arch.num_heads // n
+        head_start = tp.rank * num_heads
+        # n is a multiple of the KV heads, so all of this rank's query heads share one KV head.
+        return cls(num_heads, 1, head_start, head_start // group)
+
+
+def check_tp_size(arch: LlamaArch, size: int) -> None:
+    """Raise ValueError naming the flag when the model cannot be split over `size` ranks."""
+    if size <= arch.num_kv_heads:
+        return
+    if size % arch.num_kv_heads or arch.num_heads % size:
+        raise ValueError(
+            f"--tensor-parallel-size {size} exceeds the model's num_key_value_heads={arch.num_kv_heads}, so KV "
+            f"heads are replicated, which needs the size to be a multiple of them and to divide "
+            f"num_attention_heads={arch.num_heads}; pick such a size or at most {arch.num_kv_heads}"
+        )
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the residual stream in the accumulation dtype; its output feeds matmuls in compute dtype."""
+
+    def __init__(self, size: int, eps: float, ops: Ops, precision: Precision) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.eps = eps
         self.ops = ops
+        self.accum = precision.accum
+        self.compute = precision.compute
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.to(self.accum)
+        weight = self.weight.to(self.accum)
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps), x
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, weight, self.eps).to(self.compute), x
+        normed, residual = self.ops.add_rms_norm(x, residual, weight, self.eps)
+        return normed.to(self.compute), residual
 
 
 class LlamaAttention(nn.Module):
-    """Fused-QKV attention writing K/V to the paged cache and reading the sequence's context back."""
+    """Fused-QKV attention over this rank's heads, writing K/V to the paged cache and reading context back."""
 
-    def __init__(self, arch: LlamaArch, ops: Ops) -> None:
+    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup) -> None:
         super().__init__()
-        self.num_heads = arch.num_heads
-        self.num_kv_heads = arch.num_kv_heads
-        self.head_dim = arch.head_dim
-        self.q_size = arch.num_heads * arch.head_dim
-        self.kv_size = arch.num_kv_heads * arch.head_dim
-        self.scale = arch.head_dim**-0.5
-        self.qkv_proj = nn.Linear(arch.hidden_size, self.q_size + 2 * self.kv_size, bias=arch.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, arch.hidden_size, bias=arch.o_bias)
+        split = HeadSplit.for_rank(arch, tp)
+        d = arch.head_dim
+        self.num_heads = split.num_heads
+        self.num_kv_heads = split.num_kv_heads
+        self.head_dim = d
+        self.q_size = split.num_heads * d
+        self.kv_size = split.num_kv_heads * d
+        self.scale = d**-0.5
+        q_shard = Shard(split.head_start * d, self.q_size)
+        kv_shard = Shard(split.kv_head_start * d, self.kv_size)
+        self.qkv_proj = ColumnParallelLinear(
+            arch.hidden_size, [q_shard, kv_shard, kv_shard], arch.qkv_bias, precision.compute
+        )
+        self.o_proj = RowParallelLinear(q_shard, arch.hidden_size, arch.o_bias, precision.compute, tp)
         self.ops = ops
 
     def forward(
@@ -128,12 +186,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU MLP with fused gate/up projection."""
+    """SwiGLU MLP: fused gate/up column-parallel, down row-parallel."""
 
-    def __init__(self, arch: LlamaArch, ops: Ops) -> None:
+    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(arch.hidden_size, 2 * arch.intermediate_size, bias=arch.mlp_bias)
-        self.down_proj = nn.Linear(arch.intermediate_size, arch.hidden_size, bias=arch.mlp_bias)
+        shard = balanced_shard(arch.intermediate_size, tp.size, tp.rank)
+        self.gate_up_proj = ColumnParallelLinear(arch.hidden_size, [shard, shard], arch.mlp_bias, precision.compute)
+        self.down_proj = RowParallelLinear(shard, arch.hidden_size, arch.mlp_bias, precision.compute, tp)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,12 +202,12 @@ class LlamaMLP(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm attention + MLP block; the residual is carried to the next layer's fused norm."""
 
-    def __init__(self, arch: LlamaArch, ops: Ops) -> None:
+    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(arch, ops)
-        self.mlp = LlamaMLP(arch, ops)
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = LlamaAttention(arch, ops, precision, tp)
+        self.mlp = LlamaMLP(arch, ops, precision, tp)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
 
     def forward(
         self,
@@ -168,17 +227,17 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding, decoder layers and final norm."""
 
-    def __init__(self, arch: LlamaArch, ops: Ops) -> None:
+    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, ops) for _ in range(arch.num_layers)])
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, ops, precision, tp) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head; forward returns hidden states, compute_logits maps chosen rows to logits."""
+    """Decoder plus LM head (this rank's shard); forward returns hidden states, compute_logits full-vocab logits."""
 
-    # HF checkpoint name fragment -> (our fused parameter fragment, shard index).
+    # HF checkpoint name fragment -> (our fused module fragment, part index).
     _STACKED = {
         ".q_proj.": (".qkv_proj.", 0),
         ".k_proj.": (".qkv_proj.", 1),
@@ -187,13 +246,23 @@ class LlamaForCausalLM(nn.Module):
         ".up_proj.": (".gate_up_proj.", 1),
     }
 
-    def __init__(self, hf_config: Any, ops: Ops, max_positions: int) -> None:
+    def __init__(
+        self,
+        hf_config: Any,
+        ops: Ops,
+        max_positions: int,
+        precision: Precision,
+        tp: TPGroup = SINGLE,
+    ) -> None:
         super().__init__()
         self.arch = LlamaArch.from_hf_config(hf_config)
-        self.model = LlamaModel(self.arch, ops)
-        self.lm_head: nn.Linear | None = None
+        self.precision = precision
+        # This rank's share of KV heads: what its KV cache holds.
+        self.num_kv_heads = HeadSplit.for_rank(self.arch, tp).num_kv_heads
+        self.model = LlamaModel(self.arch, ops, precision, tp)
+        self.lm_head: VocabParallelEmbedding | None = None
         if not self.arch.tie_word_embeddings:
-            self.lm_head = nn.Linear(self.arch.hidden_size, self.arch.vocab_size, bias=False)
+            self.lm_head = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size, tp)
         inv_freq, scaling = inv_freq_for_config(hf_config, self.arch.head_dim)
         self.rotary = RotaryTable(inv_freq, max_positions, scaling)
 
@@ -219,57 +288,51 @@ class LlamaForCausalLM(nn.Module):
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for hidden rows [N, hidden]."""
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        return head.logits(hidden, self.precision.compute)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors into our (fused) parameters; raise if any parameter stays unloaded."""
-        params = dict(self.named_parameters())
-        shard_sizes = self._shard_sizes()
-        loaded: set[str] = set()
+        """Copy this rank's slice of HF-named tensors into our (fused, sharded) parameters; raise on gaps."""
+        modules = dict(self.named_modules())
+        loaded: set[tuple[str, str, int]] = set()
         for hf_name, tensor in weights:
             if "rotary_emb.inv_freq" in hf_name:
                 continue
             if hf_name == "lm_head.weight" and self.lm_head is None:
                 # Tied checkpoints sometimes still ship a copy of the embedding.
                 continue
-            name, shard = hf_name, -1
+            name, part = hf_name, 0
             for fragment, (fused, index) in self._STACKED.items():
                 if fragment in hf_name:
-                    name, shard = hf_name.replace(fragment, fused), index
+                    name, part = hf_name.replace(fragment, fused), index
                     break
-            param = params.get(name)
-            if param is None:
+            module_name, _, kind = name.rpartition(".")
+            module = modules.get(module_name)
+            if module is None or not hasattr(module, kind):
                 raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
-            with torch.no_grad():
-                if shard < 0:
-                    if tuple(param.shape) != tuple(tensor.shape):
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                    param.copy_(tensor)
+            try:
+                loader = getattr(module, "load", None)
+                if loader is not None:
+                    loader(kind, tensor, part)
                 else:
-                    sizes = shard_sizes[name.rsplit(".", 2)[-2]]
-                    offset = sum(sizes[:shard])
-                    target = param.narrow(0, offset, sizes[shard])
-                    if tuple(target.shape) != tuple(tensor.shape):
-                        raise ValueError(f"{hf_name}: shape {tuple(tensor.shape)} != expected {tuple(target.shape)}")
-                    target.copy_(tensor)
-            loaded.add(f"{name}#{shard}")
-        missing = []
-        for name in params:
-            module = name.rsplit(".", 2)[-2]
-            if module in shard_sizes:
-                missing += [f"{name}#{i}" for i in range(len(shard_sizes[module]))]
-            else:
-                missing.append(f"{name}#-1")
-        absent = sorted(m for m in missing if m not in loaded)
+                    param = getattr(module, kind)
+                    if tuple(param.shape) != tuple(tensor.shape):
+                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                    with torch.no_grad():
+                        param.copy_(tensor)
+            except ValueError as err:
+                raise ValueError(f"{hf_name}: {err}") from err
+            loaded.add((module_name, kind, part))
+        absent = sorted(f"{m}.{k}#{p}" for m, k, p in self._expected_loads() if (m, k, p) not in loaded)
         if absent:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(absent[:8])}")
 
-    def _shard_sizes(self) -> dict[str, list[int]]:
-        a = self.arch
-        kv = a.num_kv_heads * a.head_dim
-        return {
-            "qkv_proj": [a.num_heads * a.head_dim, kv, kv],
-            "gate_up_proj": [a.intermediate_size, a.intermediate_size],
-        }
+    def _expected_loads(self) -> list[tuple[str, str, int]]:
+        expected = []
+        for name, _ in self.named_parameters():
+            module_name, _, kind = name.rpartition(".")
+            module = self.get_submodule(module_name)
+            parts = len(module.parts) if isinstance(module, ColumnParallelLinear) else 1
+            expected += [(module_name, kind, p) for p in range(parts)]
+        return expected

@@ -1,20 +1,48 @@
-"""Device platforms; get_platform picks one by name. torch_npu is never imported here."""
+"""Device platforms; get_platform picks one by name. torch_npu is imported only by the NPU probe."""
 
 from __future__ import annotations
 
-from services.worker.platforms.base import MemoryInfo, Ops, Platform
+import structlog
+
+from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
 from services.worker.platforms.cpu import CpuPlatform
 
-__all__ = ["CpuPlatform", "MemoryInfo", "Ops", "Platform", "get_platform"]
+__all__ = ["CpuPlatform", "DeviceUnavailableError", "MemoryInfo", "Ops", "Platform", "get_platform", "resolve_device"]
 
-_NOT_YET = ("cuda", "npu")
+DEVICES = ("auto", "cpu", "cuda", "npu")
+log = structlog.get_logger()
 
 
-def get_platform(name: str) -> Platform:
-    """Return the platform for --device NAME ("cpu", or "auto" which picks cpu in this build)."""
+def resolve_device(name: str) -> str:
+    """The concrete device type for --device NAME; `auto` takes npu, then cuda, then cpu."""
     key = name.strip().lower()
-    if key in ("cpu", "auto"):
-        return CpuPlatform()
-    if key in _NOT_YET:
-        raise ValueError(f"--device {key} is not available yet in this build; use --device cpu")
-    raise ValueError(f"--device must be one of ['auto', 'cpu', 'cuda', 'npu'], got {name!r}")
+    if key not in DEVICES:
+        raise ValueError(f"--device must be one of {list(DEVICES)}, got {name!r}")
+    if key != "auto":
+        return key
+    from services.worker.platforms.npu import probe_npu
+
+    npu = probe_npu()
+    if npu.available:
+        return "npu"
+    import torch
+
+    if torch.cuda.is_available():
+        return "cuda"
+    # Quietly expected on most machines, but say why an Ascend host fell back to the CPU.
+    log.info("device_auto_cpu", npu_probe=npu.error, cuda=False)
+    return "cpu"
+
+
+def get_platform(name: str, local_rank: int = 0) -> Platform:
+    """The platform for --device NAME (resolving `auto`), bound to the rank's local device index."""
+    key = resolve_device(name)
+    if key == "cpu":
+        return CpuPlatform(local_rank)
+    if key == "cuda":
+        from services.worker.platforms.cuda import CudaPlatform
+
+        return CudaPlatform(local_rank)
+    from services.worker.platforms.npu import NpuPlatform
+
+    return NpuPlatform(local_rank)

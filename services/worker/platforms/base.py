@@ -1,4 +1,4 @@
-"""Device platform interface: device, distributed backend, memory info and the op table."""
+"""Device platform interface: device, distributed backend, memory, precision default and the op table."""
 
 from __future__ import annotations
 
@@ -7,6 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.startup_error import StartupError
+
 
 @dataclass(frozen=True)
 class MemoryInfo:
@@ -14,6 +16,10 @@ class MemoryInfo:
 
     free_bytes: int
     total_bytes: int
+
+
+class DeviceUnavailableError(StartupError):
+    """A platform cannot start on this machine; the message says what to do about it."""
 
 
 class Ops(abc.ABC):
@@ -48,7 +54,7 @@ class Ops(abc.ABC):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write k, v [T, Hk, D] into the paged caches at slot_mapping [T]."""
+        """Write k, v [T, Hk, D] into the paged caches [num_blocks, block_size, Hk, D] at slot_mapping [T]."""
 
     @abc.abstractmethod
     def paged_attention(
@@ -61,19 +67,30 @@ class Ops(abc.ABC):
         query_start_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        """Causal attention of varlen queries [T, Hq, D] over the paged cache (prefill and decode)."""
+        """Causal attention of varlen queries [T, Hq, D] over the paged cache (prefill and decode).
+
+        block_tables [B, max_blocks] int64 (padded with 0); seq_lens [B] and query_start_loc [B + 1]
+        are int64 CPU tensors; a sequence's queries are its last tokens in the cache.
+        """
 
 
 class Platform(abc.ABC):
-    """One device type: where tensors live, how ranks talk, and which kernels run."""
+    """One device type, bound to one local device index: where tensors live, how ranks talk, which kernels run."""
 
     name: str
     dist_backend: str
+    # Block size the platform's paged-attention kernels require (None: any).
+    required_block_size: int | None = None
+    # --precision auto resolves to this on the platform.
+    default_precision: str = "fp32-fp32-fp32"
+
+    def __init__(self, local_rank: int = 0) -> None:
+        self.local_rank = local_rank
 
     @property
     @abc.abstractmethod
     def device(self) -> torch.device:
-        """The torch device tensors are placed on."""
+        """The torch device this rank's tensors are placed on."""
 
     @property
     @abc.abstractmethod
@@ -81,9 +98,33 @@ class Platform(abc.ABC):
         """The platform's op table."""
 
     @abc.abstractmethod
+    def set_device(self) -> None:
+        """Bind this process to its device; must run before anything is allocated there."""
+
+    @abc.abstractmethod
+    def device_count(self) -> int:
+        """Devices this process can see (after *_VISIBLE_DEVICES masking)."""
+
+    @abc.abstractmethod
     def memory_info(self) -> MemoryInfo:
-        """Free and total device memory in bytes."""
+        """Free and total memory of this rank's device in bytes."""
 
     @abc.abstractmethod
     def synchronize(self) -> None:
-        """Wait for queued device work to finish (for timing)."""
+        """Wait for queued device work to finish (for timing and profiling)."""
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak-memory measurement (no-op where the allocator keeps no statistics)."""
+        return None
+
+    def peak_memory_bytes(self) -> int:
+        """Most bytes the allocator held since reset_peak_memory (0 where unknown)."""
+        return 0
+
+    def empty_cache(self) -> None:
+        """Return cached, unused allocator blocks to the device."""
+        return None
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        """Whether an exception raised by torch means the device ran out of memory."""
+        return isinstance(error, torch.OutOfMemoryError)

@@ -58,7 +58,8 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
 
-    def __init__(self) -> None:
+    def __init__(self, local_rank: int = 0) -> None:
+        super().__init__(local_rank)
         self._ops = ReferenceOps()
 
     @property
@@ -69,11 +70,24 @@ class CpuPlatform(Platform):
     def ops(self) -> Ops:
         return self._ops
 
+    def set_device(self) -> None:
+        # Ranks share host memory; CPU placement is the CPU-binding step's job.
+        return None
+
+    def device_count(self) -> int:
+        return 1
+
     def memory_info(self) -> MemoryInfo:
         page = os.sysconf("SC_PAGE_SIZE")
         return MemoryInfo(
             free_bytes=os.sysconf("SC_AVPHYS_PAGES") * page,
             total_bytes=os.sysconf("SC_PHYS_PAGES") * page,
+        )
+
+    def is_out_of_memory(self, error: BaseException) -> bool:
+        # The CPU allocator raises a plain RuntimeError when malloc fails.
+        return isinstance(error, torch.OutOfMemoryError) or (
+            isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
         )
 
     def synchronize(self) -> None:

@@ -11,6 +11,7 @@ import pytest
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
+from services.worker.startup_error import StartupError
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
 
 GREEDY = sampling_pb2.SamplingParams(temperature=0)
@@ -188,13 +189,16 @@ def test_runner_attributes(llama_dir: Path) -> None:
 
 
 def test_max_model_len_beyond_model_is_rejected(llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="max_position_embeddings"):
+    with pytest.raises(StartupError, match=r"max_position_embeddings=.*; lower --max-model-len"):
         _runner(llama_dir, max_model_len=10_000)
 
 
 def test_kv_budget_too_small_is_rejected(llama_dir: Path) -> None:
-    with pytest.raises(ValueError, match="cannot hold one --max-model-len=256 sequence"):
+    with pytest.raises(StartupError) as info:
         _runner(llama_dir, kv_cache_memory_bytes=10_000)
+    assert "one --max-model-len=256 sequence needs 52" in str(info.value)
+    assert "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens" in str(info.value)
+    assert "raise --kv-cache-memory" in str(info.value)
 
 
 @pytest.mark.parametrize("model", ["llama", "qwen2", "mqa"])

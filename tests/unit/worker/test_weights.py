@@ -11,6 +11,7 @@ import torch
 
 from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from services.worker.platforms import get_platform
+from services.worker.precision import parse_precision
 from services.worker.weights import (
     ModelSource,
     iter_weights,
@@ -64,8 +65,11 @@ def test_fingerprint_covers_identity(tiny_dir: Path, tmp_path: Path) -> None:
     assert model_fingerprint(resolve_model_path(other), kv_dtype="float32", block_size=16) != base
 
 
+FP32 = parse_precision("fp32-fp32-fp32", platform_default="fp32-fp32-fp32")
+
+
 def _empty_model(source: ModelSource) -> LlamaForCausalLM:
-    return LlamaForCausalLM(load_hf_config(source), get_platform("cpu").ops, 64)
+    return LlamaForCausalLM(load_hf_config(source), get_platform("cpu").ops, 64, FP32)
 
 
 def test_load_weights_matches_checkpoint(tiny_dir: Path) -> None:
@@ -75,6 +79,7 @@ def test_load_weights_matches_checkpoint(tiny_dir: Path) -> None:
     state = dict(iter_weights(source))
     layer = cast(LlamaDecoderLayer, model.model.layers[0])
     attn = layer.self_attn
+    assert attn.qkv_proj.bias is not None
     _q, k, v = attn.qkv_proj.bias.split([attn.q_size, attn.kv_size, attn.kv_size])
     assert torch.equal(k, state["model.layers.0.self_attn.k_proj.bias"])
     assert torch.equal(v, state["model.layers.0.self_attn.v_proj.bias"])

@@ -1,0 +1,134 @@
+"""Tensor-parallel linears and vocab-parallel embedding; weights held in one dtype, matmuls run in another.
+
+Column-parallel layers own a slice of output rows (fused parts such as q/k/v each sliced on their
+own), row-parallel layers a slice of input columns with an all-reduce after the matmul.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from services.worker.distributed import TPGroup
+
+
+@dataclass(frozen=True)
+class Shard:
+    """The slice [start, start + size) of one checkpoint dimension this rank holds."""
+
+    start: int
+    size: int
+
+
+def balanced_shard(total: int, parts: int, index: int) -> Shard:
+    """Part `index` of `total` split into `parts` contiguous pieces whose sizes differ by at most one."""
+    base, extra = divmod(total, parts)
+    return Shard(index * base + min(index, extra), base + (1 if index < extra else 0))
+
+
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _check_shape(name: str, got: torch.Tensor, expected: tuple[int, ...]) -> None:
+    if tuple(got.shape) != expected:
+        raise ValueError(f"{name}: checkpoint slice has shape {tuple(got.shape)}, expected {expected}")
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with this rank's output rows of each fused part; no communication."""
+
+    def __init__(self, input_size: int, parts: list[Shard], bias: bool, compute_dtype: torch.dtype) -> None:
+        super().__init__()
+        self.parts = parts
+        self.offsets = [sum(p.size for p in parts[:i]) for i in range(len(parts))]
+        out = sum(p.size for p in parts)
+        self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else _cast(self.bias, self.compute_dtype)
+        return F.linear(x, _cast(self.weight, self.compute_dtype), bias)
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
+        """Copy this rank's rows of checkpoint part `part` (a whole q_proj, gate_proj, ...)."""
+        target = self.weight if kind == "weight" else self.bias
+        if target is None:
+            raise ValueError(f"checkpoint has a {kind} this layer does not take")
+        p = self.parts[part]
+        piece = tensor.narrow(0, p.start, p.size)
+        dest = target.narrow(0, self.offsets[part], p.size)
+        _check_shape(kind, piece, tuple(dest.shape))
+        with torch.no_grad():
+            dest.copy_(piece)
+
+
+class RowParallelLinear(nn.Module):
+    """y = all_reduce(x_local W_local^T) + b: this rank holds a slice of the input columns."""
+
+    def __init__(
+        self, input_shard: Shard, output_size: int, bias: bool, compute_dtype: torch.dtype, tp: TPGroup
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_shard = input_shard
+        self.weight = nn.Parameter(torch.empty(output_size, input_shard.size), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
+        self.compute_dtype = compute_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.tp.all_reduce(F.linear(x, _cast(self.weight, self.compute_dtype)))
+        # After the reduce, so the bias is added once rather than once per rank.
+        return y if self.bias is None else y + _cast(self.bias, self.compute_dtype)
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
+        """Copy this rank's input columns of the weight, or the whole bias."""
+        if kind == "bias":
+            if self.bias is None:
+                raise ValueError("checkpoint has a bias this layer does not take")
+            _check_shape(kind, tensor, tuple(self.bias.shape))
+            with torch.no_grad():
+                self.bias.copy_(tensor)
+            return
+        piece = tensor.narrow(1, self.input_shard.start, self.input_shard.size)
+        _check_shape(kind, piece, tuple(self.weight.shape))
+        with torch.no_grad():
+            self.weight.copy_(piece)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding whose vocabulary is split in equal (last one padded) ranges over ranks; doubles as the LM head."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, tp: TPGroup) -> None:
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.per_rank = -(-vocab_size // tp.size)
+        self.start = tp.rank * self.per_rank
+        self.end = min(self.start + self.per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        mine = (input_ids >= self.start) & (input_ids < self.end)
+        local = torch.where(mine, input_ids - self.start, torch.zeros_like(input_ids))
+        out = F.embedding(local, self.weight) * mine.unsqueeze(-1).to(self.weight.dtype)
+        return self.tp.all_reduce(out)
+
+    def logits(self, hidden: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
+        """Float32 logits [N, vocab]: each rank's vocab slice, gathered in rank order."""
+        local = F.linear(_cast(hidden, compute_dtype), _cast(self.weight, compute_dtype)).float()
+        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+
+    def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
+        """Copy this rank's vocabulary rows; padding rows past the vocabulary stay zero."""
+        piece = tensor.narrow(0, self.start, max(0, self.end - self.start))
+        _check_shape(kind, piece, (self.end - self.start, self.weight.shape[1]))
+        with torch.no_grad():
+            self.weight.zero_()
+            self.weight[: piece.shape[0]].copy_(piece)
