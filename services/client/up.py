@@ -24,8 +24,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler-port", type=int, default=SCHEDULER_PORT)
     parser.add_argument("--worker-port", type=int, default=WORKER_PORT, help="first worker's health port")
     parser.add_argument("--num-workers", type=int, default=1, help="worker processes to start")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    parser.add_argument("--kv-cache-memory", default="2GiB")
+    parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda or npu (worker default: auto)")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one dtype")
+    parser.add_argument("--precision", default=None, help="WEIGHTS-COMPUTE-ACCUM, e.g. bf16-fp16-fp32 (default: auto)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (devices) per worker")
+    parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size per worker on the CPU")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="(cuda, npu; worker default 0.9)")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -80,7 +84,15 @@ async def run(ns: argparse.Namespace) -> int:
                 *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
                 *_prefix_caching(ns.enable_prefix_caching),
             ],
-            worker_args=["--dtype", ns.dtype, "--kv-cache-memory", ns.kv_cache_memory],
+            worker_args=[
+                "--kv-cache-memory",
+                ns.kv_cache_memory,
+                *_optional("--device", ns.device),
+                *_optional("--dtype", ns.dtype),
+                *_optional("--precision", ns.precision),
+                *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
+                *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
+            ],
         )
         gateway = suite.gateway
         print(f"meshserve: starting scheduler, {ns.num_workers} worker(s) and gateway; logs in {log_dir}")

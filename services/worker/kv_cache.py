@@ -1,10 +1,12 @@
-"""Paged KV cache tensors: per layer k/v of shape [num_blocks, block_size, num_kv_heads, head_dim]."""
+"""Paged KV cache tensors: per layer K and V blocks in the op table's layout (NHD or HND)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from services.worker.layers.attention import NHD, cache_shape
 
 
 def bytes_per_block(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -32,9 +34,10 @@ class KVCache:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        layout: str = NHD,
     ) -> KVCache:
         """Allocate zeroed K and V tensors for every layer."""
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout)
         layers = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

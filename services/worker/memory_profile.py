@@ -39,6 +39,7 @@ def profile_peak_memory(runner: ModelRunner, arch: LlamaArch) -> int:
         head_dim=arch.head_dim,
         dtype=runner.precision.kv_dtype,
         device=runner.device,
+        layout=runner.platform.ops.kv_layout,
     )
     spans = []
     first = 0

@@ -85,6 +85,7 @@ class ModelRunner:
             block_size=self.block_size,
             tp_size=self.tp.size,
             rank=self.tp.rank,
+            layout=self.platform.ops.kv_layout,
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)
@@ -101,6 +102,7 @@ class ModelRunner:
                 head_dim=arch.head_dim,
                 dtype=self.precision.kv_dtype,
                 device=self.device,
+                layout=self.platform.ops.kv_layout,
             )
         except Exception as err:
             if self.platform.is_out_of_memory(err):

@@ -11,8 +11,6 @@ from typing import Any
 
 import torch
 
-KV_LAYOUT = "NHD-paged"
-
 
 @dataclass(frozen=True)
 class ModelSource:
@@ -85,6 +83,7 @@ def model_fingerprint(
     block_size: int,
     tp_size: int = 1,
     rank: int = 0,
+    layout: str = "NHD",
 ) -> str:
     """sha256 over model identity, KV dtype, block size, KV layout, TP size and rank.
 
@@ -98,7 +97,7 @@ def model_fingerprint(
         "weights": [[f.name, f.stat().st_size] for f in source.weight_files()],
         "kv_dtype": kv_dtype,
         "block_size": block_size,
-        "layout": KV_LAYOUT,
+        "layout": f"{layout}-paged",
         "tp_size": tp_size,
         "rank": rank,
     }

@@ -12,24 +12,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-import torch
 
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import Answer, greedy_token_answers
+from tests.support.devices import device_params
 from tests.support.suite import start_suite
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
 
-CUDA_DEVICES = torch.cuda.device_count()
-DEVICES = [
-    pytest.param("cpu", id="cpu"),
-    pytest.param(
-        "cuda",
-        id="cuda",
-        marks=pytest.mark.skipif(
-            CUDA_DEVICES < 2, reason=f"TP=2 on CUDA needs 2 GPUs; this machine has {CUDA_DEVICES}"
-        ),
-    ),
-]
+DEVICES = device_params(min_cuda_devices=2)
 # Exact equality across TP sizes needs fp32: the all-reduce sums in a different order than one GEMM.
 FP32 = ["--precision", "fp32-fp32-fp32"]
 

@@ -25,6 +25,9 @@ class DeviceUnavailableError(StartupError):
 class Ops(abc.ABC):
     """The kernels a model calls; each platform maps them to its fused ops."""
 
+    # KV cache layout the attention ops read and write: "NHD" or "HND" (see layers/attention.py).
+    kv_layout: str = "NHD"
+
     @abc.abstractmethod
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """RMSNorm of x over its last dim."""
@@ -54,7 +57,7 @@ class Ops(abc.ABC):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        """Write k, v [T, Hk, D] into the paged caches [num_blocks, block_size, Hk, D] at slot_mapping [T]."""
+        """Write k, v [T, Hk, D] into the paged caches (in kv_layout) at slot_mapping [T]."""
 
     @abc.abstractmethod
     def paged_attention(

@@ -13,6 +13,11 @@ from services.worker.platforms.base import MemoryInfo, Ops, Platform
 class ReferenceOps(Ops):
     """The pure-torch ops; also the oracle that device platforms are tested against."""
 
+    def __init__(self, layout: str = attention.NHD) -> None:
+        if layout not in attention.LAYOUTS:
+            raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {attention.LAYOUTS}")
+        self.kv_layout = layout
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return norm.rms_norm(x, weight, eps)
 
@@ -37,7 +42,7 @@ class ReferenceOps(Ops):
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,
     ) -> None:
-        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, self.kv_layout)
 
     def paged_attention(
         self,
@@ -49,7 +54,9 @@ class ReferenceOps(Ops):
         query_start_loc: torch.Tensor,
         scale: float,
     ) -> torch.Tensor:
-        return attention.paged_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale)
+        return attention.paged_attention(
+            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, self.kv_layout
+        )
 
 
 class CpuPlatform(Platform):
@@ -60,7 +67,8 @@ class CpuPlatform(Platform):
 
     def __init__(self, local_rank: int = 0) -> None:
         super().__init__(local_rank)
-        self._ops = ReferenceOps()
+        # Head-major blocks gather into the attention matmuls' layout in one copy.
+        self._ops = ReferenceOps(attention.HND)
 
     @property
     def device(self) -> torch.device:

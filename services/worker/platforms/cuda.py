@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.layers.attention import HND
 from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
 from services.worker.platforms.cpu import ReferenceOps
 
@@ -29,7 +30,7 @@ class CudaPlatform(Platform):
                 f"rank {local_rank} needs cuda:{local_rank} but only {count} CUDA device(s) are visible; "
                 "lower --tensor-parallel-size or widen CUDA_VISIBLE_DEVICES"
             )
-        self._ops = ReferenceOps()
+        self._ops = ReferenceOps(HND)
 
     @property
     def device(self) -> torch.device:

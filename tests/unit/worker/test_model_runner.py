@@ -12,6 +12,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.startup_error import StartupError
+from tests.support.devices import device_params
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
 
 GREEDY = sampling_pb2.SamplingParams(temperature=0)
@@ -201,10 +202,13 @@ def test_kv_budget_too_small_is_rejected(llama_dir: Path) -> None:
     assert "raise --kv-cache-memory" in str(info.value)
 
 
+@pytest.mark.parametrize("device", device_params())
 @pytest.mark.parametrize("model", ["llama", "qwen2", "mqa"])
-def test_greedy_matches_transformers_with_chunked_prefill(model: str, request: pytest.FixtureRequest) -> None:
+def test_greedy_matches_transformers_with_chunked_prefill(
+    model: str, device: str, request: pytest.FixtureRequest
+) -> None:
     model_dir: Path = request.getfixturevalue(f"{model}_dir")
-    runner = _runner(model_dir, block_size=5)
+    runner = _runner(model_dir, block_size=5, device=device)
     driver = Driver(runner, chunk=4)
     max_new = 8
     # Staggered arrivals: later prompts prefill in chunks while earlier ones decode in the same step.

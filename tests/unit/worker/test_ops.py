@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from services.worker.layers.activation import silu_and_mul
-from services.worker.layers.attention import paged_attention, reshape_and_cache
+from services.worker.layers.attention import HND, NHD, cache_shape, gather_kv, paged_attention, reshape_and_cache
 from services.worker.layers.norm import add_rms_norm, rms_norm
 from services.worker.layers.rotary import RotaryTable, apply_rotary, inv_freq_for_config
 from services.worker.platforms import CpuPlatform, DeviceUnavailableError, get_platform
@@ -103,11 +103,12 @@ def _dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_query: 
     return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("layout", [NHD, HND])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(4, 4), (4, 2), (6, 1)])
-def test_paged_attention_matches_dense_causal(num_heads: int, num_kv_heads: int) -> None:
+def test_paged_attention_matches_dense_causal(num_heads: int, num_kv_heads: int, layout: str) -> None:
     g = torch.Generator().manual_seed(4)
     block_size, head_dim, num_blocks = 4, 8, 32
-    k_cache = torch.zeros(num_blocks, block_size, num_kv_heads, head_dim)
+    k_cache = torch.zeros(cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout))
     v_cache = torch.zeros_like(k_cache)
     # (context already cached, new query tokens): prefill, chunk continuation, decode.
     shapes = [(0, 7), (5, 6), (9, 1), (0, 1)]
@@ -120,7 +121,7 @@ def test_paged_attention_matches_dense_causal(num_heads: int, num_kv_heads: int)
         k = torch.randn(length, num_kv_heads, head_dim, generator=g)
         v = torch.randn(length, num_kv_heads, head_dim, generator=g)
         slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(length)])
-        reshape_and_cache(k, v, k_cache, v_cache, slots)
+        reshape_and_cache(k, v, k_cache, v_cache, slots, layout)
         q = torch.randn(num_query, num_heads, head_dim, generator=g)
         q_parts.append(q)
         expected.append(_dense_causal(q, k, v, num_query))
@@ -137,8 +138,15 @@ def test_paged_attention_matches_dense_causal(num_heads: int, num_kv_heads: int)
         torch.tensor([c + n for c, n in shapes]),
         torch.tensor(starts),
         head_dim**-0.5,
+        layout,
     )
     torch.testing.assert_close(out, torch.cat(expected), atol=1e-5, rtol=1e-5)
+    # Both layouts hold the same tokens at the same slots.
+    if layout == HND:
+        assert torch.equal(
+            gather_kv(k_cache, block_tables[0], 7, HND),
+            gather_kv(k_cache.transpose(1, 2).contiguous(), block_tables[0], 7),
+        )
 
 
 def test_get_platform() -> None:

@@ -1,0 +1,34 @@
+"""bf16-fp16-fp32 against fp32 on SmolLM2: relative logit error within budget, greedy agreement reported."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.worker.benchmarks.precision_check import chat_prompts, compare, main
+
+pytestmark = pytest.mark.slow
+# The issue's budget for the Ascend seed precision.
+MAX_MEAN_RELATIVE_LOGIT_ERROR = 0.008
+
+
+def test_bf16_fp16_fp32_logits_stay_close_to_fp32(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = compare(smollm2_dir, "bf16-fp16-fp32", chat_prompts(smollm2_dir, 8), new_tokens=16)
+    with capsys.disabled():
+        print(
+            f"\nbf16-fp16-fp32 vs fp32: mean relative logit error {report.mean_relative_logit_error:.4%}, "
+            f"greedy exact matches {report.greedy_exact_matches}/{report.prompts}, "
+            f"common prefixes {report.greedy_common_prefix}"
+        )
+    assert report.precision == "bf16-fp16-fp32"
+    assert report.mean_relative_logit_error <= MAX_MEAN_RELATIVE_LOGIT_ERROR
+    assert 0 <= report.greedy_exact_matches <= report.prompts == 8
+
+
+def test_fp32_against_itself_is_exact(smollm2_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert main(["--precision", "fp32-fp32-fp32", "--model", str(smollm2_dir), "--prompts", "2",
+                 "--new-tokens", "4", "--out", str(out)]) == 0  # fmt: skip
+    text = out.read_text()
+    assert '"mean_relative_logit_error": 0.0' in text and '"greedy_exact_matches": 2' in text
