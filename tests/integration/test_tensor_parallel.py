@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from services.client.launcher import Launcher, free_port, start_suite_processes, wait_all_healthy
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import Answer, greedy_token_answers
 from tests.support.devices import device_params
@@ -33,7 +34,7 @@ def _device_args(device: str) -> list[str]:
 def _serve(
     model_dir: Path, log_dir: Path, device: str, tp: int, prompts: Sequence[Sequence[int]], max_tokens: int
 ) -> list[Answer]:
-    args = [*_device_args(device), *FP32, "--tensor-parallel-size", str(tp), "--max-model-len", "1024"]
+    args = [*_device_args(device), *FP32, "--tensor-parallel-size", str(tp), "--max-model-len", "512"]
     suite = start_suite(model_dir, log_dir, worker_args=args)
     try:
         return asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens))
@@ -113,3 +114,36 @@ def test_npu_without_cann_names_the_fix(one_kv_head_model: Path) -> None:
 def test_kv_cache_too_small_names_the_flags(one_kv_head_model: Path) -> None:
     err = _worker_startup_error(one_kv_head_model, "--device", "cpu", "--kv-cache-memory", "64KiB")
     assert "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens" in err
+
+
+def test_two_nodes_on_loopback_match_one(one_kv_head_model: Path, tmp_path: Path) -> None:
+    """--nnodes 2: node 0 attaches and leads, node 1 (a separate worker command) only follows."""
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 90))]
+    rendezvous = f"127.0.0.1:{free_port()}"
+    multi = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", rendezvous, *FP32]
+    launcher = Launcher(tmp_path, env={"MESHSERVE_LOG_FORMAT": "json"})
+    try:
+        procs = start_suite_processes(
+            launcher,
+            model=str(one_kv_head_model),
+            host="127.0.0.1",
+            scheduler_port=free_port(),
+            worker_ports=[free_port()],
+            gateway_port=free_port(),
+            worker_args=[*_device_args("cpu"), *multi, "--node-rank", "0"],
+        )
+        node1_port = free_port()
+        node1 = launcher.start(
+            "worker-node1",
+            ["worker", "--host", "127.0.0.1", "--port", str(node1_port), "--model", str(one_kv_head_model),
+             *_device_args("cpu"), *multi, "--node-rank", "1"],
+            f"127.0.0.1:{node1_port}",
+        )  # fmt: skip
+        asyncio.run(wait_all_healthy(launcher, [*procs.all, node1], 300))
+        answers = asyncio.run(greedy_token_answers(procs.gateway.address, prompts, 12))
+        assert [a.token_ids for a in answers] == [transformers_greedy(one_kv_head_model, p, 12) for p in prompts]
+        # Stopping node 0 shuts the group down; node 1 follows it out cleanly.
+        launcher.stop(procs.workers[0])
+        assert node1.process.wait(timeout=60) == 0, node1.log_tail()
+    finally:
+        launcher.stop_all(timeout=10)

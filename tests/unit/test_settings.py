@@ -44,3 +44,30 @@ def test_bad_values_name_the_field() -> None:
 )
 def test_parse_size(text: str, size: int) -> None:
     assert parse_size(text) == size
+
+
+def test_worker_parallel_and_precision_flags() -> None:
+    settings = _parse(
+        WorkerSettings,
+        ["--tensor-parallel-size", "8", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "10.0.0.1:29500",
+         "--precision", "bf16-fp16-fp32", "--cpu-binding", "off", "--gpu-memory-utilization", "0.8"],
+    )  # fmt: skip
+    assert settings.ranks_per_node == 4
+    assert (settings.precision, settings.cpu_binding, settings.gpu_memory_utilization) == ("bf16-fp16-fp32", "off", 0.8)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--tensor-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of --nnodes 2"),
+        (["--nnodes", "2", "--node-rank", "2", "--tensor-parallel-size", "2", "--dist-init-addr", "h:1"],
+         "--node-rank 2 must be < --nnodes 2"),
+        (["--nnodes", "2", "--tensor-parallel-size", "2"], "--nnodes > 1 needs --dist-init-addr"),
+        (["--precision", "bf16-fp8-fp32"], "COMPUTE 'fp8'"),
+        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+    ],
+)  # fmt: skip
+def test_worker_settings_refuse_bad_combinations(argv: list[str], message: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _parse(WorkerSettings, argv)
+    assert message in str(info.value)

@@ -5,11 +5,12 @@ from __future__ import annotations
 import torch
 
 from services.worker.layers.attention import HND
-from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
+from services.worker.platforms.accelerator import TorchAcceleratorPlatform
+from services.worker.platforms.base import DeviceUnavailableError, Ops
 from services.worker.platforms.cpu import ReferenceOps
 
 
-class CudaPlatform(Platform):
+class CudaPlatform(TorchAcceleratorPlatform):
     """One CUDA device per rank (cuda:local_rank among CUDA_VISIBLE_DEVICES)."""
 
     name = "cuda"
@@ -30,34 +31,9 @@ class CudaPlatform(Platform):
                 f"rank {local_rank} needs cuda:{local_rank} but only {count} CUDA device(s) are visible; "
                 "lower --tensor-parallel-size or widen CUDA_VISIBLE_DEVICES"
             )
+        self._runtime = torch.cuda
         self._ops = ReferenceOps(HND)
-
-    @property
-    def device(self) -> torch.device:
-        return torch.device("cuda", self.local_rank)
 
     @property
     def ops(self) -> Ops:
         return self._ops
-
-    def set_device(self) -> None:
-        torch.cuda.set_device(self.local_rank)
-
-    def device_count(self) -> int:
-        return torch.cuda.device_count()
-
-    def memory_info(self) -> MemoryInfo:
-        free, total = torch.cuda.mem_get_info(self.local_rank)
-        return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.local_rank)
-
-    def reset_peak_memory(self) -> None:
-        torch.cuda.reset_peak_memory_stats(self.local_rank)
-
-    def peak_memory_bytes(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.local_rank))
-
-    def empty_cache(self) -> None:
-        torch.cuda.empty_cache()

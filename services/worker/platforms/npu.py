@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
+from services.worker.platforms.accelerator import TorchAcceleratorPlatform
+from services.worker.platforms.base import DeviceUnavailableError, Ops
 from services.worker.platforms.cpu import ReferenceOps
 
 ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
@@ -217,7 +218,7 @@ class NpuOps(Ops):
         return mask
 
 
-class NpuPlatform(Platform):
+class NpuPlatform(TorchAcceleratorPlatform):
     """One Ascend NPU per rank (npu:local_rank among ASCEND_RT_VISIBLE_DEVICES), HCCL between ranks."""
 
     name = "npu"
@@ -249,35 +250,8 @@ class NpuPlatform(Platform):
         self._ops = NpuOps(module)
 
     @property
-    def device(self) -> torch.device:
-        # "npu" parses once torch_npu has renamed torch's privateuse1 backend, which it does on import.
-        return torch.device("npu", self.local_rank)
-
-    @property
     def ops(self) -> Ops:
         return self._ops
-
-    def set_device(self) -> None:
-        self._runtime.set_device(self.local_rank)
-
-    def device_count(self) -> int:
-        return int(self._runtime.device_count())
-
-    def memory_info(self) -> MemoryInfo:
-        free, total = self._runtime.mem_get_info(self.local_rank)
-        return MemoryInfo(free_bytes=int(free), total_bytes=int(total))
-
-    def synchronize(self) -> None:
-        self._runtime.synchronize(self.local_rank)
-
-    def reset_peak_memory(self) -> None:
-        self._runtime.reset_peak_memory_stats(self.local_rank)
-
-    def peak_memory_bytes(self) -> int:
-        return int(self._runtime.max_memory_allocated(self.local_rank))
-
-    def empty_cache(self) -> None:
-        self._runtime.empty_cache()
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         # Newer torch_npu raises torch.OutOfMemoryError; older builds a plain RuntimeError with this text.
