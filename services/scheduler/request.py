@@ -62,8 +62,10 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
-        # Tokens whose KV is in this request's blocks on its current worker.
+        # Tokens whose KV is in (or, for steps in flight, being written to) this request's blocks.
         self.num_computed_tokens = 0
+        # Tokens that steps in flight will sample for this request (0 or 1): known to the worker, not yet here.
+        self.num_pending_samples = 0
         # Prefix-cache hits when the request was first admitted.
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING
@@ -80,6 +82,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        """Tokens once the steps in flight have answered: what the next step may compute up to."""
+        return self.num_tokens + self.num_pending_samples
 
     @property
     def num_prompt_tokens(self) -> int:

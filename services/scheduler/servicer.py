@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -331,29 +332,39 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, worker: _AttachedWorker, results: asyncio.Queue[worker_pb2.StepResult | None]
     ) -> AsyncIterator[worker_pb2.SchedulerMessage]:
         ws = worker.scheduler
+        # Steps sent and not yet answered; with async scheduling the next one goes out while one runs.
+        in_flight: collections.deque[worker_pb2.Step] = collections.deque()
+        depth = 2 if self.settings.async_scheduling else 1
         while not worker.gone:
-            if worker.closing or (worker.draining and ws.num_running == 0):
+            if not in_flight and (worker.closing or (worker.draining and ws.num_running == 0)):
                 return
             worker.wake.clear()
-            step = ws.schedule()
-            if step is None:
+            step = ws.schedule() if len(in_flight) < depth and not worker.closing else None
+            if step is not None:
+                self.metrics.iteration_tokens.observe(
+                    sum(r.num_scheduled_tokens for r in step.new_requests)
+                    + sum(r.num_scheduled_tokens for r in step.scheduled)
+                )
+                in_flight.append(step)
+                yield worker_pb2.SchedulerMessage(step=step)
+                continue
+            if not in_flight:
                 await worker.wake.wait()
                 continue
-            self.metrics.iteration_tokens.observe(
-                sum(r.num_scheduled_tokens for r in step.new_requests)
-                + sum(r.num_scheduled_tokens for r in step.scheduled)
-            )
-            yield worker_pb2.SchedulerMessage(step=step)
             result = await results.get()
             if result is None:
                 return
+            step = in_flight.popleft()
             if result.step_id != step.step_id:
                 log.error("step id mismatch", expected=step.step_id, got=result.step_id)
                 return
             self.metrics.step_seconds.observe(result.execute_seconds)
+            outputs = ws.update(step, result)
             if result.error:
                 log.error("step failed on worker", worker_id=worker.hello.worker_id, error=result.error)
-            self._dispatch(ws.update(step, result))
+                for later in in_flight:
+                    outputs += ws.fail_step(later, f"an earlier step failed: {result.error}")
+            self._dispatch(outputs)
             self._update_gauges()
             self._export_counters(worker)
 

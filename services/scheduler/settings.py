@@ -19,6 +19,9 @@ class SchedulerSettings(ServiceSettings):
         None, description="longest prompt + output; unset: the smallest a worker reports", ge=2
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    async_scheduling: bool = Field(
+        True, description="send each worker its next step before the current one answers (hides the round trip)"
+    )
     max_waiting_requests: int = Field(
         4096, description="queued requests before Submit answers RESOURCE_EXHAUSTED", ge=1
     )

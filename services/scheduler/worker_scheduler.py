@@ -94,8 +94,8 @@ class WorkerScheduler:
         # Ids the worker holds in its persistent batch.
         self._on_worker: set[str] = set()
         self._pending_removals: list[str] = []
-        # Blocks indexed while planning the step in flight; un-indexed if that step fails.
-        self._inflight_cached: list[Block] = []
+        # Blocks indexed while planning each step in flight, by step id; un-indexed if that step fails.
+        self._inflight_cached: dict[int, list[Block]] = {}
         self._next_step_id = 1
         self.last_step: StepInfo | None = None
         self.num_steps = 0
@@ -122,11 +122,12 @@ class WorkerScheduler:
         return self._by_id.get(request_id)
 
     def schedule(self) -> worker_pb2.Step | None:
-        """Plan the next step; None when nothing runs and nothing needs removing."""
-        if self._inflight_cached:
-            # The previous step got no update() (it failed): its blocks' KV was never written.
-            self.kv.pool.uncache(self._inflight_cached)
-            self._inflight_cached = []
+        """Plan the next step; None when nothing runs and nothing needs removing.
+
+        May be called again before the previous step's update(): progress is booked when a step is
+        planned, and a token a step in flight will sample counts as pending, so the next step can compute
+        it (async scheduling: the worker appends the tokens it samples itself).
+        """
         budget = self.max_num_batched_tokens
         planned_running: list[_Planned] = []
         preempted = False
@@ -134,8 +135,9 @@ class WorkerScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0:
+            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            if num_new <= 0 or request.num_output_tokens + request.num_pending_samples >= request.max_tokens:
+                # Nothing to compute yet, or the token in flight is its last one.
                 i += 1
                 continue
             new_ids = self.kv.allocate_slots(request, num_new)
@@ -178,11 +180,18 @@ class WorkerScheduler:
                 planned_new.append(_Planned(request, num_hit, num_new))
                 budget -= num_new
 
-        self._inflight_cached = self.kv.take_newly_cached()
+        newly_cached = self.kv.take_newly_cached()
         if not planned_running and not planned_new and not self._pending_removals:
             return None
         step = self._build_step(planned_running, planned_new)
+        self._inflight_cached[step.step_id] = newly_cached
         self._pending_removals = []
+        for p in planned_running + planned_new:
+            request = p.request
+            request.num_computed_tokens = p.num_computed + p.num_scheduled
+            if request.num_computed_tokens == request.num_tokens_with_pending:
+                # The worker samples when a step reaches the end of the tokens it knows.
+                request.num_pending_samples += 1
         return step
 
     def _build_step(self, planned_running: list[_Planned], planned_new: list[_Planned]) -> worker_pb2.Step:
@@ -219,7 +228,7 @@ class WorkerScheduler:
         for p in planned:
             r = p.request
             # A decode computes exactly the last sampled token; anything else is (re)prefill.
-            if r.output_token_ids and p.num_computed == r.num_tokens - 1:
+            if p.num_computed >= r.num_prompt_tokens and p.num_computed == r.num_tokens_with_pending - 1:
                 decode += p.num_scheduled
             else:
                 prefill += p.num_scheduled
@@ -233,27 +242,17 @@ class WorkerScheduler:
         """Apply a worker's StepResult: advance progress, append tokens, finish requests."""
         if result.step_id != step.step_id:
             raise ValueError(f"StepResult for step {result.step_id} does not answer step {step.step_id}")
-        inflight, self._inflight_cached = self._inflight_cached, []
-        scheduled = [(n.request_id, n.num_scheduled_tokens) for n in step.new_requests]
-        scheduled += [(s.request_id, s.num_scheduled_tokens) for s in step.scheduled]
         if result.error:
-            # Blocks indexed for this step never got their KV: no later request may hit them.
-            self.kv.pool.uncache(inflight)
-            return self._fail(scheduled, result.error)
-
-        for request_id, num_scheduled in scheduled:
-            request = self._by_id.get(request_id)
-            if request is not None and request.status == RequestStatus.RUNNING:
-                request.num_computed_tokens += num_scheduled
+            return self.fail_step(step, result.error)
+        self._inflight_cached.pop(step.step_id, None)
 
         outputs: dict[str, RequestOutput] = {}
         for sampled in result.sampled:
             request = self._by_id.get(sampled.request_id)
-            # Tokens of requests aborted mid-step, or of a prefill chunk that is not the last, are dropped.
-            if request is None or request.status != RequestStatus.RUNNING:
+            # Tokens of requests finished, aborted or preempted while the step was in flight are dropped.
+            if request is None or request.status != RequestStatus.RUNNING or request.num_pending_samples == 0:
                 continue
-            if request.num_computed_tokens < request.num_tokens:
-                continue
+            request.num_pending_samples -= 1
             request.output_token_ids.append(sampled.token_id)
             out = outputs.get(request.request_id)
             if out is None:
@@ -268,9 +267,15 @@ class WorkerScheduler:
                 out.finish_reason = status
         return list(outputs.values())
 
-    def _fail(self, scheduled: list[tuple[str, int]], error: str) -> list[RequestOutput]:
+    def fail_step(self, step: worker_pb2.Step, error: str) -> list[RequestOutput]:
+        """Abort the step's requests and forget the prefixes it indexed (their KV may never have been written).
+
+        Also for a step planned after one that failed: it may read blocks the failed one should have filled.
+        """
+        self.kv.pool.uncache(self._inflight_cached.pop(step.step_id, []))
         outputs: list[RequestOutput] = []
-        for request_id, _ in scheduled:
+        request_ids = [n.request_id for n in step.new_requests] + [s.request_id for s in step.scheduled]
+        for request_id in request_ids:
             request = self._by_id.get(request_id)
             if request is None or request.status != RequestStatus.RUNNING:
                 continue
@@ -292,11 +297,12 @@ class WorkerScheduler:
         for request in drained:
             request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
+            request.num_pending_samples = 0
         self.running = []
         self._by_id.clear()
         self._on_worker.clear()
         self._pending_removals = []
-        self._inflight_cached = []
+        self._inflight_cached = {}
         self.kv.reset()
         return drained
 
@@ -321,6 +327,8 @@ class WorkerScheduler:
         self._remove_running(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # A token a step in flight samples for it is dropped; recomputing samples that position again.
+        request.num_pending_samples = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.prepend(request)

@@ -231,7 +231,13 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path) -
 
 
 def test_sigterm_lets_streams_finish(tiny_model_dir: Path, tmp_path: Path) -> None:
-    suite = start_suite(tiny_model_dir, tmp_path, worker_args=["--kv-cache-memory", "16MiB"])
+    # A grace period far above the stream's ~10 s, so a slow or busy machine cannot cut it short.
+    suite = start_suite(
+        tiny_model_dir,
+        tmp_path,
+        worker_args=["--kv-cache-memory", "16MiB"],
+        gateway_args=["--shutdown-grace-period", "120"],
+    )
     try:
 
         async def run() -> None:
@@ -251,7 +257,7 @@ def test_sigterm_lets_streams_finish(tiny_model_dir: Path, tmp_path: Path) -> No
             assert tokens == 1000
 
         asyncio.run(run())
-        assert suite.gateway.process.wait(30) == 0
+        assert suite.gateway.process.wait(150) == 0
     finally:
         suite.stop()
     for service in (suite.scheduler, *suite.workers):

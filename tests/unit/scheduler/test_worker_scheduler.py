@@ -448,21 +448,30 @@ def test_token_for_unfinished_prefill_chunk_is_ignored() -> None:
     assert r.output_token_ids == [] and r.num_computed_tokens == 8
 
 
-def test_step_failed_without_update_forgets_its_hashes() -> None:
+def test_failed_step_forgets_its_hashes_with_a_later_step_in_flight() -> None:
     waiting = WaitingQueue()
     sched = make_sched(waiting)
     a = make_req("a", list(range(1, 10)), max_tokens=4)
     waiting.append(a)
-    step = sched.schedule()
-    assert step is not None
+    first = sched.schedule()
+    assert first is not None
     assert sched.kv.pool.num_cached_blocks == 2
-    # The servicer's error path: abort the step's requests instead of calling update().
-    assert sched.abort("a") is a
+    # Planned before the first step answers (async scheduling): a's first decode.
+    second = sched.schedule()
+    assert second is not None and second.scheduled[0].num_computed_tokens == 9
+    outputs = sched.update(first, worker_pb2.StepResult(step_id=first.step_id, error="boom"))
+    assert [o.finish_reason for o in outputs] == [RequestStatus.FINISHED_ABORTED]
+    assert sched.kv.pool.num_cached_blocks == 0
+    # The second step's answer for the aborted request is dropped.
+    late = worker_pb2.StepResult(step_id=second.step_id)
+    late.sampled.append(worker_pb2.SampledToken(request_id="a", token_id=5))
+    assert sched.update(second, late) == []
     b = make_req("b", list(range(1, 10)), max_tokens=4)
     waiting.append(b)
     step = sched.schedule()
     assert step is not None
     assert step.new_requests[0].num_computed_tokens == 0
+    assert list(step.removed_request_ids) == ["a"]
 
 
 def test_not_accepting_admits_nothing_but_runs_the_rest() -> None:
@@ -477,3 +486,83 @@ def test_not_accepting_admits_nothing_but_runs_the_rest() -> None:
     run_to_completion(sched, worker)
     assert a.status is RequestStatus.FINISHED_LENGTH
     assert len(waiting) == 1
+
+
+def run_pipelined(sched: WorkerScheduler, worker: FakeWorker, max_steps: int = 500) -> list[worker_pb2.Step]:
+    """Async scheduling as the servicer does it: up to two steps out, answers applied in order."""
+    in_flight: list[worker_pb2.Step] = []
+    steps: list[worker_pb2.Step] = []
+    for _ in range(max_steps):
+        step = sched.schedule() if len(in_flight) < 2 else None
+        if step is not None:
+            in_flight.append(step)
+            steps.append(step)
+            continue
+        if not in_flight:
+            return steps
+        # The worker runs steps in order; the answer comes back after the next step was planned.
+        done = in_flight.pop(0)
+        sched.update(done, worker.execute(done))
+    raise AssertionError("scheduler did not go idle")
+
+
+def _eos_after(n: int) -> Callable[[list[int]], int]:
+    """A worker whose requests emit EOS once they hold n tokens (prompt included)."""
+    return lambda tokens: EOS if len(tokens) >= n else default_next_token(tokens)
+
+
+@pytest.mark.parametrize("eos_at", [None, 14, 23])
+def test_pipelined_steps_give_the_same_tokens(eos_at: int | None) -> None:
+    prompts = {f"r{i}": list(range(10 + i, 19 + 3 * i)) for i in range(6)}
+    outputs = []
+    for runner in (run_to_completion, run_pipelined):
+        waiting = WaitingQueue()
+        sched = make_sched(waiting, num_blocks=24, max_num_seqs=4, max_num_batched_tokens=16)
+        reqs = [make_req(rid, p, max_tokens=7) for rid, p in prompts.items()]
+        for r in reqs:
+            waiting.append(r)
+        worker = FakeWorker() if eos_at is None else FakeWorker(next_token=_eos_after(eos_at))
+        steps = runner(sched, worker)
+        assert all(r.is_finished for r in reqs) and not worker.held
+        outputs.append(({r.request_id: r.output_token_ids for r in reqs}, len(steps)))
+    (serial, serial_steps), (pipelined, pipelined_steps) = outputs
+    assert pipelined == serial
+    # EOS is seen one step late: the token planned meanwhile is computed and dropped, never sent.
+    assert pipelined_steps >= serial_steps
+
+
+def test_next_decode_is_planned_before_the_answer() -> None:
+    waiting = WaitingQueue()
+    sched = make_sched(waiting)
+    r = make_req("a", list(range(1, 10)), max_tokens=3)
+    waiting.append(r)
+    first = sched.schedule()
+    second = sched.schedule()
+    assert first is not None and second is not None
+    # The prefill's token is in flight: the next step computes it at position 9.
+    assert (second.scheduled[0].num_computed_tokens, second.scheduled[0].num_scheduled_tokens) == (9, 1)
+    assert r.num_pending_samples == 2
+    third = sched.schedule()
+    assert third is not None and third.scheduled[0].num_computed_tokens == 10
+    # max_tokens=3: all three tokens are in flight, nothing more to plan.
+    assert sched.schedule() is None
+    worker = FakeWorker()
+    for step in (first, second, third):
+        sched.update(step, worker.execute(step))
+    assert r.status is RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 3
+
+
+def test_eos_drops_the_token_planned_meanwhile() -> None:
+    waiting = WaitingQueue()
+    sched = make_sched(waiting)
+    r = make_req("a", list(range(1, 10)), max_tokens=8)
+    waiting.append(r)
+    worker = FakeWorker(next_token=lambda tokens: EOS)
+    first, second = sched.schedule(), sched.schedule()
+    assert first is not None and second is not None
+    outs = sched.update(first, worker.execute(first))
+    assert outs[0].finish_reason is RequestStatus.FINISHED_STOPPED and r.output_token_ids == [EOS]
+    assert sched.update(second, worker.execute(second)) == []
+    assert r.output_token_ids == [EOS]
+    removal = sched.schedule()
+    assert removal is not None and list(removal.removed_request_ids) == ["a"]
