@@ -204,7 +204,8 @@ async def test_health_reflection_and_request_id(tiny_suite: Suite) -> None:
         assert any(r.get("request_id") == "trace-abc-123" for r in tiny_suite.log_records(name)), name
 
 
-def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("scheduling", ["--async-scheduling", "--no-async-scheduling"])
+def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path, scheduling: str) -> None:
     # 20 blocks of 16 tokens (fp32, 2 layers, 2 KV heads of 16): far less than 8 requests need at once.
     block_bytes = 2 * 2 * 16 * 2 * 16 * 4
     metrics_port = free_port()
@@ -212,7 +213,7 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path) -
         tiny_model_dir,
         tmp_path,
         worker_args=["--kv-cache-memory", str(20 * block_bytes), "--max-model-len", "320"],
-        scheduler_args=["--max-num-batched-tokens", "128", "--metrics-port", str(metrics_port)],
+        scheduler_args=["--max-num-batched-tokens", "128", "--metrics-port", str(metrics_port), scheduling],
         gateway_args=["--max-model-len", "320"],
     )
     try:
