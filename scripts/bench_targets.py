@@ -30,7 +30,8 @@ from typing import Any
 from services.client.bench.datasets import BenchRequest, random_dataset, shared_prefix_dataset
 from services.client.bench.metrics import BenchSummary, summarize
 from services.client.bench.records import RequestRecord
-from services.client.launcher import Launcher, free_port, start_suite_processes, wait_all_healthy
+from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
+from services.common.ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 TARGETS = ("a", "b", "c", "d", "e")

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 from services.worker.precision import Precision, parse_precision, precision_from_dtype
 
-_DEVICES = ("cpu", "cuda", "npu", "auto")
+# --device values; `auto` is resolved by services.worker.platforms.resolve_device.
+DEVICES = ("auto", "cpu", "cuda", "npu")
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -40,8 +41,8 @@ class EngineConfig:
             parse_precision(self.precision, platform_default="fp32-fp32-fp32")
         if self.dtype is not None and self.precision not in (None, "auto"):
             raise ValueError("give either --dtype or --precision, not both (--precision says more)")
-        if self.device not in _DEVICES:
-            raise ValueError(f"--device must be one of {list(_DEVICES)}, got {self.device!r}")
+        if self.device not in DEVICES:
+            raise ValueError(f"--device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -17,6 +17,7 @@ import structlog
 from services.common.grpc_server import GrpcService
 from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
+from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.worker.attach import AttachClient, StepExecutor
 from services.worker.engine_config import EngineConfig
@@ -53,10 +54,7 @@ def rendezvous(settings: WorkerSettings) -> str:
     """tcp://host:port all ranks meet at: --dist-init-addr, or a free loopback port for one host."""
     if settings.dist_init_addr:
         return f"tcp://{settings.dist_init_addr}"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    return f"tcp://127.0.0.1:{port}"
+    return f"tcp://127.0.0.1:{free_port()}"
 
 
 def _fail(message: str) -> None:

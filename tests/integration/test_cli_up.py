@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.client.launcher import free_port
+from services.common.ports import free_port
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "services.cli"]

@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from services.client.client import GenerationClient, build_request, sampling_params
-from services.client.launcher import free_port
 from services.common.channels import insecure_channel
+from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
 from services.gateway.raw_request import encode_raw_request
 from tests.support.calls import expect_invalid, greedy_token_answers, stream

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from services.client.launcher import Launcher, free_port, start_suite_processes, wait_all_healthy
+from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
+from services.common.ports import free_port
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import Answer, greedy_token_answers
 from tests.support.devices import device_params

@@ -8,14 +8,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.client.launcher import (
-    Launcher,
-    ServiceProcess,
-    free_port,
-    start_suite_processes,
-    wait_all_healthy,
-)
+from services.client.launcher import Launcher, ServiceProcess, start_suite_processes, wait_all_healthy
 from services.common.channels import insecure_channel
+from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 STARTUP_TIMEOUT_S = 300.0

@@ -15,7 +15,7 @@ from services.worker.engine_config import EngineConfig
 from services.worker.kv_cache import bytes_per_block
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArch
-from services.worker.precision import canonical_dtype, torch_dtype
+from services.worker.platforms.cpu import CpuPlatform
 from services.worker.weights import load_hf_config, resolve_model_path
 
 BLOCK_SIZE = 16
@@ -48,12 +48,13 @@ def make_runner(model_dir: Path, requests: list[BenchRequest], batch_size: int, 
     """A ModelRunner sized for batch_size of these requests in flight (KV blocks and step limits)."""
     max_len = max(len(r.prompt_token_ids) + r.output_len for r in requests)
     arch = LlamaArch.from_hf_config(load_hf_config(resolve_model_path(model_dir)))
+    precision = EngineConfig(model_path=str(model_dir), dtype=dtype).resolve_precision(CpuPlatform.default_precision)
     per_block = bytes_per_block(
         num_layers=arch.num_layers,
         block_size=BLOCK_SIZE,
         num_kv_heads=arch.num_kv_heads,
         head_dim=arch.head_dim,
-        dtype=torch_dtype(canonical_dtype(dtype) or "fp32"),
+        dtype=precision.kv_dtype,
     )
     # Every in-flight request may hold its longest sequence at once: no preemption, ever.
     num_blocks = batch_size * _blocks_for(max_len) + 1

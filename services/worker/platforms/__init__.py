@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import structlog
 
+from services.worker.engine_config import DEVICES
 from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
 from services.worker.platforms.cpu import CpuPlatform
 
 __all__ = ["CpuPlatform", "DeviceUnavailableError", "MemoryInfo", "Ops", "Platform", "get_platform", "resolve_device"]
 
-DEVICES = ("auto", "cpu", "cuda", "npu")
 log = structlog.get_logger()
 
 
