@@ -22,7 +22,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -271,6 +271,16 @@ def in_process(
 # ---------------------------------------------------------------------------------------------- report
 
 
+# The metric each repeated target compares; its median run is the one reported.
+REPEATED_METRICS = {"a": "output_throughput", "b": "output_throughput", "c": "mean_tpot_ms"}
+
+
+def median_run(runs: Sequence[BenchSummary], metric: str) -> BenchSummary:
+    """The run whose metric is the median (the lower middle one for an even count)."""
+    ordered = sorted(runs, key=lambda r: float(getattr(r, metric)))
+    return ordered[(len(ordered) - 1) // 2]
+
+
 def log(message: str) -> None:
     """Progress on stderr, with a timestamp, so stdout carries only the results."""
     print(f"[{datetime.now().strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
@@ -290,6 +300,9 @@ class Verdict:
     ratio: float
     threshold: float
     ratio_means: str
+    # Every run's metric on each side, when the target was repeated (the median one is reported).
+    meshserve_runs: list[float] = field(default_factory=list)
+    baseline_runs: list[float] = field(default_factory=list)
 
     @property
     def passed(self) -> bool:
@@ -300,7 +313,16 @@ class Verdict:
             f"{self.target}. {self.name}: meshserve {self.meshserve:.2f} vs {self.baseline_name} {self.baseline:.2f} "
             f"{self.metric}; {self.ratio_means} = {self.ratio:.2f}x (target >= {self.threshold:g}x) "
             f"{'PASS' if self.passed else 'MISS'}"
+            + (
+                f"; medians of runs {_runs(self.meshserve_runs)} and {_runs(self.baseline_runs)}"
+                if self.meshserve_runs
+                else ""
+            )
         )
+
+
+def _runs(values: list[float]) -> str:
+    return "[" + ", ".join(f"{v:.2f}" for v in values) + "]"
 
 
 @dataclass
@@ -439,6 +461,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     sizes.add_argument(
         "--issue-sizes", action="store_true", help="the issue's workloads unshrunk (about an hour at bf16)"
     )
+    parser.add_argument(
+        "--repeat",
+        type=int,
+        default=None,
+        help="runs of targets a-c on each side, the median reported (default 3; 1 with --quick)",
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "benchmarks", help="results.json and the plot")
     parser.add_argument("--skip", nargs="*", choices=TARGETS, default=[], help="targets not to run (a b c d e)")
     parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded SmolLM2)")
@@ -449,6 +477,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the targets; 0 when every one ran (whether it met its target or not)."""
     ns = parse_args(argv)
+    if ns.repeat is None:
+        ns.repeat = 1 if ns.quick else 3
+    if ns.repeat < 1:
+        raise SystemExit("--repeat must be >= 1")
     from services.common.logs import configure_logging
 
     # The in-process backends log model loads; stdout is for the results only.
@@ -468,7 +500,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"targets {' '.join(run)}, dtype {ns.dtype}, {plan_name} plan, logs in {log_dir}")
     served: dict[str, BenchSummary] = {}
     baseline: dict[str, BenchSummary] = {}
+    served_runs: dict[str, list[BenchSummary]] = {}
+    baseline_runs: dict[str, list[BenchSummary]] = {}
     sweep_served: dict[int, BenchSummary] = {}
+
+    def repeat(measure: Callable[[], BenchSummary]) -> list[BenchSummary]:
+        return [measure() for _ in range(ns.repeat)]
+
     sweep_baseline: dict[int, BenchSummary] = {}
     timings: dict[str, float] = {}
 
@@ -485,13 +523,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         with running_suite(model_dir, ns.dtype, log_dir / "suite-caching", prefix_caching=True) as suite:
             if "a" in run:
                 with phase("a meshserve"):
-                    served["a"] = serve(suite.address, wl.mixed, plan.mixed_concurrency, wl.warmup)
+                    served_runs["a"] = repeat(lambda: serve(suite.address, wl.mixed, plan.mixed_concurrency, wl.warmup))
             if "b" in run:
                 with phase("b meshserve"):
-                    served["b"] = serve(suite.address, wl.steady, plan.steady_prompts, wl.warmup)
+                    served_runs["b"] = repeat(lambda: serve(suite.address, wl.steady, plan.steady_prompts, wl.warmup))
             if "c" in run:
                 with phase("c meshserve"):
-                    served["c"] = serve(suite.address, wl.single, 1, wl.warmup)
+                    served_runs["c"] = repeat(lambda: serve(suite.address, wl.single, 1, wl.warmup))
             if "d" in run:
                 with phase("d meshserve, prefix caching on"):
                     served["d"] = serve(suite.address, wl.prefix[:-1], plan.prefix_concurrency, wl.prefix[-1:])
@@ -515,17 +553,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     # 3. In-process baselines, with the suite stopped so they have the CPU to themselves.
     if "a" in run:
         with phase("a transformers"):
-            baseline["a"] = in_process(
-                "transformers", run_transformers_baseline, model_dir, wl.mixed, plan.mixed_concurrency, ns.dtype
+            baseline_runs["a"] = repeat(
+                lambda: in_process(
+                    "transformers", run_transformers_baseline, model_dir, wl.mixed, plan.mixed_concurrency, ns.dtype
+                )
             )
     if "b" in run:
         with phase("b raw runner"):
-            baseline["b"] = in_process(
-                "raw-runner", run_raw_runner, model_dir, wl.steady, plan.steady_prompts, ns.dtype
+            baseline_runs["b"] = repeat(
+                lambda: in_process("raw-runner", run_raw_runner, model_dir, wl.steady, plan.steady_prompts, ns.dtype)
             )
     if "c" in run:
         with phase("c transformers"):
-            baseline["c"] = in_process("transformers", run_transformers_baseline, model_dir, wl.single, 1, ns.dtype)
+            baseline_runs["c"] = repeat(
+                lambda: in_process("transformers", run_transformers_baseline, model_dir, wl.single, 1, ns.dtype)
+            )
+    # Targets a-c report the median of their repeated runs on each side (the machine is noisy).
+    for target, metric in REPEATED_METRICS.items():
+        if target in served_runs:
+            served[target] = median_run(served_runs[target], metric)
+            baseline[target] = median_run(baseline_runs[target], metric)
+
+    def runs(target: str) -> dict[str, list[float]]:
+        metric = REPEATED_METRICS[target]
+        return {
+            "meshserve_runs": [getattr(r, metric) for r in served_runs[target]],
+            "baseline_runs": [getattr(r, metric) for r in baseline_runs[target]],
+        }
+
     if "e" in run:
         for c in plan.sweep_concurrency:
             with phase(f"e transformers batch {c}"):
@@ -548,6 +603,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio=ratio(ms, tf),
                 threshold=4.0,
                 ratio_means="meshserve / transformers",
+                **runs("a"),
             )
         )
     if "b" in run:
@@ -564,6 +620,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio=ratio(ms, raw),
                 threshold=0.9,
                 ratio_means="meshserve / raw runner",
+                **runs("b"),
             )
         )
     if "c" in run:
@@ -580,6 +637,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 ratio=ratio(tf, ms),
                 threshold=1.0,
                 ratio_means="transformers TPOT / meshserve TPOT",
+                **runs("c"),
             )
         )
     if "d" in run:
@@ -627,6 +685,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "ratio_means": v.ratio_means,
                 "threshold": v.threshold,
                 "passed": v.passed,
+                "meshserve_runs": v.meshserve_runs,
+                "baseline_runs": v.baseline_runs,
                 "meshserve_summary": served[v.target].to_dict(),
                 "baseline_summary": baseline[v.target].to_dict(),
             }

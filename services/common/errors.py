@@ -9,7 +9,10 @@ from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from services.common.proto.meshserve.v1.scheduler_pb2 import RequestError
+
 _DETAILS_KEY = "grpc-status-details-bin"
+_STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
 def invalid_argument_status(field: str, description: str) -> grpc.Status:
@@ -28,6 +31,15 @@ async def abort_invalid_argument(context: grpc.aio.ServicerContext, field: str, 
     """Fail the call with INVALID_ARGUMENT for one bad field."""
     await context.abort_with_status(invalid_argument_status(field, description))
     raise AssertionError("abort_with_status returned")  # pragma: no cover - abort always raises
+
+
+async def abort_with_request_error(context: grpc.aio.ServicerContext, error: RequestError) -> NoReturn:
+    """Fail the call with a status the scheduler reported for one request (the field too, if it named one)."""
+    if error.field:
+        await abort_invalid_argument(context, error.field, error.description)
+    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    await context.abort(code, error.message)
+    raise AssertionError("abort returned")  # pragma: no cover - abort always raises
 
 
 def field_violations(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:

@@ -13,6 +13,7 @@ from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
 from services.common.proto.meshserve.v1 import scheduler_pb2_grpc
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.scheduler_stream import SchedulerStream
 from services.gateway.servicer import SERVICE_NAME, GenerationServicer
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TextTokenizer
@@ -32,14 +33,18 @@ async def serve(settings: GatewaySettings) -> None:
     limits = Limits(max_model_len=max_model_len, vocab_size=tokenizer.vocab_size)
     service = GrpcService("gateway", settings, [SERVICE_NAME])
     async with insecure_channel(settings.scheduler_address) as channel:
-        servicer = GenerationServicer(tokenizer, scheduler_pb2_grpc.SchedulerStub(channel), limits, GatewayMetrics())
+        scheduler = SchedulerStream(scheduler_pb2_grpc.SchedulerStub(channel))
+        servicer = GenerationServicer(tokenizer, scheduler, limits, GatewayMetrics())
         service.server.add_generic_rpc_handlers((servicer.handlers(),))
         service.install_signal_handlers()
         await service.start()
         await _wait_for_scheduler(channel, settings.scheduler_address)
         await service.set_serving(True)
         log.info("gateway ready", model=str(model_dir), max_model_len=max_model_len)
-        await service.run_until_stopped(servicer.drain)
+        try:
+            await service.run_until_stopped(servicer.drain)
+        finally:
+            await scheduler.close()
 
 
 async def _wait_for_scheduler(channel: grpc.aio.Channel, address: str) -> None:

@@ -10,22 +10,21 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common.errors import abort_invalid_argument
+from services.common.errors import abort_invalid_argument, abort_with_request_error
 from services.common.proto.meshserve.v1 import (
     generation_pb2,
     sampling_pb2,
     scheduler_pb2,
-    scheduler_pb2_grpc,
 )
 from services.common.request_context import (
     bound_request_id,
     new_request_id,
-    outgoing_metadata,
     request_id_from_metadata,
 )
 from services.gateway.detokenizer import IncrementalDetokenizer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.raw_request import parse_generate_request
+from services.gateway.scheduler_stream import SchedulerStream
 from services.gateway.stop_strings import StopStringMatcher
 from services.gateway.tokenizer import TextTokenizer
 from services.gateway.validation import Limits, ResolvedRequest, ValidationError, validate_and_resolve
@@ -49,7 +48,7 @@ class GenerationServicer:
     def __init__(
         self,
         tokenizer: TextTokenizer,
-        scheduler: scheduler_pb2_grpc.SchedulerStub,
+        scheduler: SchedulerStream,
         limits: Limits,
         metrics: GatewayMetrics,
     ) -> None:
@@ -144,11 +143,17 @@ class GenerationServicer:
         self._in_flight += 1
         self._idle.clear()
         log.info("generate", input=resolved.input_kind, prompt_tokens=usage.prompt_tokens)
-        call = self.scheduler.Submit(submit, metadata=outgoing_metadata(request_id))
+        events = self.scheduler.submit(submit)
         finished = False
         started, first_token_at = time.monotonic(), None
         try:
-            async for event in call:
+            while True:
+                item = await events.get()
+                if item.HasField("error"):
+                    # Pass the scheduler's verdict on, with the field for INVALID_ARGUMENT.
+                    finished = True
+                    await abort_with_request_error(context, item.error)
+                event = item.tokens
                 ids = list(event.token_ids)
                 usage.completion_tokens += len(ids)
                 usage.cached_tokens = max(usage.cached_tokens, event.num_cached_tokens)
@@ -173,8 +178,8 @@ class GenerationServicer:
                     request_id=request_id, text=emit, token_ids=ids, logprobs=event.logprobs
                 )
                 if matched is not None:
-                    # Ends the request at the scheduler too: cancelling Submit aborts it there.
-                    call.cancel()
+                    # Ends the request at the scheduler too.
+                    self.scheduler.abort(request_id)
                     response.finish_reason = sampling_pb2.FINISH_REASON_STOP
                     response.stop_reason = matched
                     final = True
@@ -199,15 +204,10 @@ class GenerationServicer:
                 if final:
                     self.metrics.e2e_request_latency.observe(time.monotonic() - started)
                     return
-            await context.abort(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without a finish")
-        except grpc.aio.AioRpcError as err:
-            if err.code() == grpc.StatusCode.CANCELLED and finished:
-                return
-            # Pass the scheduler's verdict on (INVALID_ARGUMENT details included).
-            await context.abort(err.code(), err.details() or "", err.trailing_metadata())
         finally:
             if not finished:
-                call.cancel()
+                # The client went away: free the request's slot and KV blocks at the scheduler.
+                self.scheduler.abort(request_id)
                 self.metrics.requests_cancelled.inc()
             self._in_flight -= 1
             if self._in_flight == 0:

@@ -8,6 +8,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import grpc
 import structlog
@@ -42,19 +43,95 @@ _FINISH_REASONS = {
 
 
 @dataclass
-class _StreamError:
+class _Failure:
+    """How a request ends without a finish reason: a gRPC status, with the bad field for INVALID_ARGUMENT."""
+
     code: grpc.StatusCode
     message: str
+    field: str = ""
+    description: str = ""
+
+    @classmethod
+    def invalid(cls, err: InvalidField) -> _Failure:
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.description}", err.field, err.description)
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        """End a call with this status."""
+        if self.field:
+            await abort_invalid_argument(context, self.field, self.description)
+        await context.abort(self.code, self.message)
+        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+
+    def to_proto(self) -> scheduler_pb2.RequestError:
+        return scheduler_pb2.RequestError(
+            code=self.code.value[0], message=self.message, field=self.field, description=self.description
+        )
+
+
+_Item = scheduler_pb2.TokenEvent | _Failure
+# Where a submission's events go: (request_id, event or failure).
+_Sink = Callable[[str, _Item], None]
+
+
+def _is_final(item: _Item) -> bool:
+    return isinstance(item, _Failure) or item.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
 
 
 @dataclass
 class _Submission:
-    """A Submit call in flight: where its token events go."""
+    """A request in flight from a Submit call or a Stream: where its token events go."""
 
     request: Request
-    events: asyncio.Queue[scheduler_pb2.TokenEvent | _StreamError] = field(default_factory=asyncio.Queue)
+    sink: _Sink
     first_token_at: float | None = None
     finished: bool = False
+
+    def send(self, item: _Item) -> None:
+        self.sink(self.request.request_id, item)
+
+
+class _StreamOut:
+    """A Stream's outgoing side: events of one loop iteration (one step's dispatch) go out as one message."""
+
+    def __init__(self, release: Callable[[str], None]) -> None:
+        self.owned: set[str] = set()
+        self.responses: asyncio.Queue[scheduler_pb2.StreamResponse | None] = asyncio.Queue()
+        self.closed = False
+        self._release = release
+        self._pending: list[scheduler_pb2.RequestEvent] = []
+        self._flush_scheduled = False
+
+    def put(self, request_id: str, item: _Item) -> None:
+        """An event of one of this stream's requests; the final one releases it."""
+        if isinstance(item, _Failure):
+            self.refuse(request_id, item)
+        else:
+            self._add(scheduler_pb2.RequestEvent(request_id=request_id, tokens=item))
+        if _is_final(item) and request_id in self.owned:
+            self.owned.discard(request_id)
+            self._release(request_id)
+
+    def refuse(self, request_id: str, failure: _Failure) -> None:
+        """Report a failure without touching a running request of the same id."""
+        self._add(scheduler_pb2.RequestEvent(request_id=request_id, error=failure.to_proto()))
+
+    def _add(self, event: scheduler_pb2.RequestEvent) -> None:
+        self._pending.append(event)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._pending:
+            self.responses.put_nowait(scheduler_pb2.StreamResponse(events=self._pending))
+            self._pending = []
+        self.end_if_done()
+
+    def end_if_done(self) -> None:
+        """After the caller half-closed, end the stream once its last request has finished."""
+        if self.closed and not self.owned and not self._flush_scheduled:
+            self.responses.put_nowait(None)
 
 
 @dataclass
@@ -136,21 +213,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- Submit / Abort / GetStats ------------------------------------
 
-    async def Submit(
-        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+    def _admit(self, request: scheduler_pb2.SubmitRequest, sink: _Sink) -> _Submission | _Failure:
+        """Validate and queue a request whose events go to sink; or why it cannot be queued."""
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler is draining; retry on another replica")
+            return _Failure(grpc.StatusCode.UNAVAILABLE, "scheduler is draining; retry on another replica")
         if not self.workers:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the scheduler yet")
+            return _Failure(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the scheduler yet")
         try:
             max_tokens = self._validate(request)
         except InvalidField as err:
-            await abort_invalid_argument(context, err.field, err.description)
+            return _Failure.invalid(err)
         if request.request_id in self.submissions:
-            await context.abort(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
+            return _Failure(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
         if len(self.waiting) >= self.settings.max_waiting_requests:
-            await context.abort(
+            return _Failure(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.waiting)} requests are waiting (--max-waiting-requests); retry later",
             )
@@ -162,29 +238,87 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             max_tokens,
             arrival_time=time.monotonic(),
         )
-        sub = _Submission(req)
+        sub = _Submission(req, sink)
         self.submissions[req.request_id] = sub
         self._idle.clear()
         self.waiting.append(req)
         self._update_gauges()
         self._wake_all()
-        log.debug("submitted", prompt_tokens=len(req.prompt_token_ids), max_tokens=max_tokens)
+        log.debug(
+            "submitted", request_id=req.request_id, prompt_tokens=len(req.prompt_token_ids), max_tokens=max_tokens
+        )
+        return sub
+
+    def _release(self, request_id: str) -> None:
+        """Forget a submission whose caller is done with it; abort it first if it is still running."""
+        sub = self.submissions.get(request_id)
+        if sub is None:
+            return
+        if not sub.finished:
+            # The caller went away (or a stop string matched at the gateway).
+            self._abort(request_id)
+        del self.submissions[request_id]
+        if not self.submissions:
+            self._idle.set()
+
+    async def Submit(
+        self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
+        events: asyncio.Queue[_Item] = asyncio.Queue()
+        admitted = self._admit(request, lambda _request_id, item: events.put_nowait(item))
+        if isinstance(admitted, _Failure):
+            await admitted.abort(context)
         try:
             while True:
-                item = await sub.events.get()
-                if isinstance(item, _StreamError):
-                    await context.abort(item.code, item.message)
-                    return
+                item = await events.get()
+                if isinstance(item, _Failure):
+                    await item.abort(context)
                 yield item
-                if item.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
+                if _is_final(item):
                     return
         finally:
-            if not sub.finished:
-                # The caller went away (or a stop string matched at the gateway).
-                self._abort(req.request_id)
-            self.submissions.pop(req.request_id, None)
-            if not self.submissions:
-                self._idle.set()
+            self._release(request.request_id)
+
+    async def Stream(
+        self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[scheduler_pb2.StreamResponse]:
+        out = _StreamOut(self._release)
+        reader = asyncio.create_task(self._read_stream(request_iterator, out))
+        try:
+            while (response := await out.responses.get()) is not None:
+                yield response
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            for request_id in list(out.owned):
+                self._release(request_id)
+
+    async def _read_stream(self, requests: AsyncIterator[scheduler_pb2.StreamRequest], out: _StreamOut) -> None:
+        try:
+            async for message in requests:
+                if message.HasField("submit"):
+                    submit = message.submit
+                    if submit.request_id in out.owned:
+                        out.refuse(
+                            submit.request_id,
+                            _Failure(
+                                grpc.StatusCode.ALREADY_EXISTS, f"request_id {submit.request_id!r} is already running"
+                            ),
+                        )
+                        continue
+                    admitted = self._admit(submit, out.put)
+                    if isinstance(admitted, _Failure):
+                        out.refuse(submit.request_id, admitted)
+                    else:
+                        out.owned.add(submit.request_id)
+                elif message.HasField("abort") and message.abort.request_id in out.owned:
+                    out.owned.discard(message.abort.request_id)
+                    self._release(message.abort.request_id)
+        except grpc.aio.AioRpcError:
+            pass
+        out.closed = True
+        out.end_if_done()
 
     def _abort(self, request_id: str) -> bool:
         sub = self.submissions.get(request_id)
@@ -207,7 +341,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         sub = self.submissions.get(request.request_id)
         found = self._abort(request.request_id)
         if sub is not None:
-            sub.events.put_nowait(scheduler_pb2.TokenEvent(finish_reason=sampling_pb2.FINISH_REASON_ABORT))
+            sub.send(scheduler_pb2.TokenEvent(finish_reason=sampling_pb2.FINISH_REASON_ABORT))
         return scheduler_pb2.AbortResponse(found=found)
 
     async def GetStats(
@@ -387,7 +521,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if out.error is not None:
                 sub.finished = True
-                sub.events.put_nowait(_StreamError(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
+                sub.send(_Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
                 continue
             event = scheduler_pb2.TokenEvent(token_ids=out.new_token_ids)
             if req.sampling.logprobs:
@@ -407,7 +541,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 self.metrics.request_success.labels(finished_reason=reason.lower()).inc()
                 if req.arrival_time is not None:
                     self.metrics.e2e_request_latency.observe(now - req.arrival_time)
-            sub.events.put_nowait(event)
+            sub.send(event)
 
     async def _detach(self, worker: _AttachedWorker) -> None:
         worker_id = worker.hello.worker_id
@@ -434,7 +568,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             sub = self.submissions.get(req.request_id)
             if sub is not None:
                 sub.finished = True
-                sub.events.put_nowait(_StreamError(grpc.StatusCode.UNAVAILABLE, message))
+                sub.send(_Failure(grpc.StatusCode.UNAVAILABLE, message))
 
     # ---- shutdown --------------------------------------------------------
 

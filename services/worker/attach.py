@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import collections
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -76,16 +78,37 @@ class AttachClient:
         if self._stopping:
             return
         call = stub.Attach(self._messages())
-        async for message in call:
-            if message.HasField("accepted"):
-                self._attached = True
-                log.info("attached to scheduler", scheduler=self.scheduler_address)
-                await self.on_attached(True)
-            elif message.HasField("step"):
-                loop = asyncio.get_running_loop()
-                result = await loop.run_in_executor(self._thread, self._execute, message.step)
-                self._outbox.put_nowait(worker_pb2.WorkerMessage(result=result))
-        log.info("scheduler closed the attach stream")
+        loop = asyncio.get_running_loop()
+        # Steps queued on the model thread, oldest first. With async scheduling the next Step
+        # arrives while one runs; queueing it at once lets the thread start it the moment the
+        # current one ends, without waiting for this event loop to read it.
+        pending: collections.deque[asyncio.Future[worker_pb2.StepResult]] = collections.deque()
+        try:
+            async for message in call:
+                if message.HasField("accepted"):
+                    self._attached = True
+                    log.info("attached to scheduler", scheduler=self.scheduler_address)
+                    await self.on_attached(True)
+                elif message.HasField("step"):
+                    future = loop.run_in_executor(self._thread, self._execute, message.step)
+                    future.add_done_callback(functools.partial(self._answer, pending))
+                    pending.append(future)
+            log.info("scheduler closed the attach stream")
+        finally:
+            # The caller resets the runner next; that must not overlap a step still running.
+            if pending:
+                await asyncio.wait(list(pending))
+
+    def _answer(
+        self,
+        pending: collections.deque[asyncio.Future[worker_pb2.StepResult]],
+        done: asyncio.Future[worker_pb2.StepResult],
+    ) -> None:
+        """Send results in step order (one model thread runs them in order, so they finish in order)."""
+        while pending and pending[0].done():
+            future = pending.popleft()
+            if not future.cancelled():
+                self._outbox.put_nowait(worker_pb2.WorkerMessage(result=future.result()))
 
     async def _messages(self) -> AsyncIterator[worker_pb2.WorkerMessage]:
         while True:

@@ -346,13 +346,16 @@ class ModelRunner:
             seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
             block_tables=block_tables.to(device),
         )
+        backend = self.platform.matmul_backend
         with torch.inference_mode():
-            hidden = self.model(
-                torch.tensor(input_ids, dtype=torch.int64, device=device),
-                torch.tensor(positions, dtype=torch.int64, device=device),
-                self.kv_cache.layers if kv_layers is None else kv_layers,
-                meta,
-            )
+            with backend(len(input_ids)):
+                hidden = self.model(
+                    torch.tensor(input_ids, dtype=torch.int64, device=device),
+                    torch.tensor(positions, dtype=torch.int64, device=device),
+                    self.kv_cache.layers if kv_layers is None else kv_layers,
+                    meta,
+                )
             if not sample_rows:
                 return None
-            return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])
+            with backend(len(sample_rows)):
+                return self.model.compute_logits(hidden[torch.tensor(sample_rows, device=device)])

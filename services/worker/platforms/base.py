@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -127,6 +128,10 @@ class Platform(abc.ABC):
     def empty_cache(self) -> None:
         """Return cached, unused allocator blocks to the device."""
         return None
+
+    def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
+        """Scope for matmuls whose input has num_rows rows, where the platform picks kernels by shape."""
+        return contextlib.nullcontext()
 
     def is_out_of_memory(self, error: BaseException) -> bool:
         """Whether an exception raised by torch means the device ran out of memory."""

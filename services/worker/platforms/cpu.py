@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 
@@ -59,6 +61,16 @@ class ReferenceOps(Ops):
         )
 
 
+@contextlib.contextmanager
+def _without_onednn() -> Iterator[None]:
+    enabled = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._set_mkldnn_enabled(enabled)
+
+
 class CpuPlatform(Platform):
     """Host CPU with gloo for tensor parallelism."""
 
@@ -77,6 +89,13 @@ class CpuPlatform(Platform):
     @property
     def ops(self) -> Ops:
         return self._ops
+
+    def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
+        # A one-row bf16 matmul (a batch-1 decode) runs 1.3-2x faster in ATen's own GEMV than in
+        # oneDNN, which wins from two rows up (docs/benchmarks.md). fp32 and fp16 never use oneDNN here.
+        if num_rows == 1:
+            return _without_onednn()
+        return contextlib.nullcontext()
 
     def set_device(self) -> None:
         # Ranks share host memory; CPU placement is the CPU-binding step's job.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
+from services.worker.platforms.cpu import CpuPlatform
 from services.worker.startup_error import StartupError
 from tests.support.devices import device_params
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
@@ -419,3 +421,30 @@ def test_batch_limits_are_enforced(llama_dir: Path) -> None:
         runner.execute(worker_pb2.Step(new_requests=[_new("a", [1, 2, 3, 4, 5], [0, 1], 5)]))
     with pytest.raises(ValueError, match="--max-num-seqs"):
         runner.execute(worker_pb2.Step(new_requests=[_new("a", [1], [0], 1), _new("b", [1], [1], 1)]))
+
+
+class _RecordingCpuPlatform(CpuPlatform):
+    """The CPU platform, noting the row counts the runner scopes its matmuls with."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[int] = []
+
+    def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
+        self.rows.append(num_rows)
+        return super().matmul_backend(num_rows)
+
+
+def test_matmuls_are_scoped_by_row_count(llama_dir: Path) -> None:
+    platform = _RecordingCpuPlatform()
+    config = EngineConfig(
+        model_path=str(llama_dir), dtype="bf16", block_size=4, kv_cache_memory_bytes=1 << 22, max_model_len=64
+    )
+    runner = ModelRunner(config, platform=platform)
+    platform.rows.clear()  # the memory profile's forward at startup
+    driver = Driver(runner, chunk=100)
+    req = driver.add(Req("one", [5, 6, 7, 8, 9], 3))
+    driver.run()
+    # Prefill: 5 token rows, 1 logits row; then each decode: 1 and 1.
+    assert platform.rows == [5, 1, 1, 1, 1, 1]
+    assert len(req.outputs) == 3

@@ -107,6 +107,143 @@ class TokenEvent(_message.Message):
 Global___TokenEvent: _TypeAlias = TokenEvent  # noqa: Y015
 
 @_typing.final
+class StreamRequest(_message.Message):
+    """One message from the caller of Stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SUBMIT_FIELD_NUMBER: _builtins.int
+    ABORT_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def submit(self) -> Global___SubmitRequest:
+        """Queue a request; its events come back tagged with its request_id."""
+
+    @_builtins.property
+    def abort(self) -> Global___AbortRequest:
+        """Abort one of this stream's requests (its client went away or a stop
+        string matched). No event follows for it.
+        """
+
+    def __init__(
+        self,
+        *,
+        submit: Global___SubmitRequest | None = ...,
+        abort: Global___AbortRequest | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["abort", b"abort", "kind", b"kind", "submit", b"submit"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["submit", "abort"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___StreamRequest: _TypeAlias = StreamRequest  # noqa: Y015
+
+@_typing.final
+class RequestError(_message.Message):
+    """Why one request of a Stream failed: what Submit would have ended its call
+    with.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    FIELD_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    """The canonical gRPC status code (google.rpc.Code), e.g. 3 INVALID_ARGUMENT,
+    6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE.
+    """
+    message: _builtins.str
+    """Human-readable: what went wrong and how to fix it."""
+    field: _builtins.str
+    """For INVALID_ARGUMENT, the offending field's path (e.g. "sampling.top_p");
+    the caller passes it on as a google.rpc.BadRequest field violation.
+    """
+    description: _builtins.str
+    """For INVALID_ARGUMENT, what is wrong with that field."""
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        message: _builtins.str = ...,
+        field: _builtins.str = ...,
+        description: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "description", b"description", "field", b"field", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestError: _TypeAlias = RequestError  # noqa: Y015
+
+@_typing.final
+class RequestEvent(_message.Message):
+    """What happened to one request of a Stream."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    TOKENS_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id, as submitted."""
+    @_builtins.property
+    def tokens(self) -> Global___TokenEvent:
+        """New tokens (final when finish_reason is set)."""
+
+    @_builtins.property
+    def error(self) -> Global___RequestError:
+        """The request failed or was refused; it is final, except ALREADY_EXISTS
+        for an id already running on this same stream: that refuses the second
+        submission only, and the running request's events go on.
+        """
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        tokens: Global___TokenEvent | None = ...,
+        error: Global___RequestError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "kind", b"kind", "tokens", b"tokens"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "kind", b"kind", "request_id", b"request_id", "tokens", b"tokens"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["tokens", "error"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___RequestEvent: _TypeAlias = RequestEvent  # noqa: Y015
+
+@_typing.final
+class StreamResponse(_message.Message):
+    """The events of one step (or of one refusal) for a Stream's requests."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    EVENTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestEvent]:
+        """In the order they happened."""
+
+    def __init__(
+        self,
+        *,
+        events: _abc.Iterable[Global___RequestEvent] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamResponse: _TypeAlias = StreamResponse  # noqa: Y015
+
+@_typing.final
 class AbortRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 

@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=meshserve_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Stream = channel.stream_stream(
+                '/meshserve.v1.Scheduler/Stream',
+                request_serializer=meshserve_dot_v1_dot_scheduler__pb2.StreamRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.StreamResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/meshserve.v1.Scheduler/Abort',
                 request_serializer=meshserve_dot_v1_dot_scheduler__pb2.AbortRequest.SerializeToString,
@@ -64,6 +69,19 @@ class SchedulerServicer:
     def Submit(self, request, context):
         """Queues a tokenized request and streams its tokens as steps produce them.
         Cancelling the stream aborts the request and frees its KV blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stream(self, request_iterator, context):
+        """Many requests over one long-lived stream, the way a gateway submits: the
+        caller sends submit and abort messages; the scheduler answers with one
+        StreamResponse per step, holding the events of every request of this
+        stream that the step advanced. Per token this costs one message per step
+        instead of one per request. Each request ends with a final TokenEvent
+        (finish_reason set) or an error; cancelling the stream aborts all of its
+        requests, and a half-closed stream ends once its requests have finished.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -98,6 +116,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Stream': grpc.stream_stream_rpc_method_handler(
+                    servicer.Stream,
+                    request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.StreamRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_scheduler__pb2.StreamResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -142,6 +165,33 @@ class Scheduler:
             '/meshserve.v1.Scheduler/Submit',
             meshserve_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             meshserve_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/meshserve.v1.Scheduler/Stream',
+            meshserve_dot_v1_dot_scheduler__pb2.StreamRequest.SerializeToString,
+            meshserve_dot_v1_dot_scheduler__pb2.StreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -39,6 +39,15 @@ class SchedulerStub:
     """Queues a tokenized request and streams its tokens as steps produce them.
     Cancelling the stream aborts the request and frees its KV blocks.
     """
+    Stream: _grpc.StreamStreamMultiCallable[_scheduler_pb2.StreamRequest, _scheduler_pb2.StreamResponse]
+    """Many requests over one long-lived stream, the way a gateway submits: the
+    caller sends submit and abort messages; the scheduler answers with one
+    StreamResponse per step, holding the events of every request of this
+    stream that the step advanced. Per token this costs one message per step
+    instead of one per request. Each request ends with a final TokenEvent
+    (finish_reason set) or an error; cancelling the stream aborts all of its
+    requests, and a half-closed stream ends once its requests have finished.
+    """
     Abort: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]
     """Aborts a request by id (for callers that cannot cancel the stream)."""
     Attach: _grpc.StreamStreamMultiCallable[_worker_pb2.WorkerMessage, _worker_pb2.SchedulerMessage]
@@ -54,6 +63,15 @@ class SchedulerAsyncStub(SchedulerStub):
     Submit: _aio.UnaryStreamMultiCallable[_scheduler_pb2.SubmitRequest, _scheduler_pb2.TokenEvent]  # type: ignore[assignment]
     """Queues a tokenized request and streams its tokens as steps produce them.
     Cancelling the stream aborts the request and frees its KV blocks.
+    """
+    Stream: _aio.StreamStreamMultiCallable[_scheduler_pb2.StreamRequest, _scheduler_pb2.StreamResponse]  # type: ignore[assignment]
+    """Many requests over one long-lived stream, the way a gateway submits: the
+    caller sends submit and abort messages; the scheduler answers with one
+    StreamResponse per step, holding the events of every request of this
+    stream that the step advanced. Per token this costs one message per step
+    instead of one per request. Each request ends with a final TokenEvent
+    (finish_reason set) or an error; cancelling the stream aborts all of its
+    requests, and a half-closed stream ends once its requests have finished.
     """
     Abort: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.AbortRequest, _scheduler_pb2.AbortResponse]  # type: ignore[assignment]
     """Aborts a request by id (for callers that cannot cancel the stream)."""
@@ -73,6 +91,21 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.TokenEvent], _abc.AsyncIterator[_scheduler_pb2.TokenEvent]]:
         """Queues a tokenized request and streams its tokens as steps produce them.
         Cancelling the stream aborts the request and frees its KV blocks.
+        """
+
+    @_abc_1.abstractmethod
+    def Stream(
+        self,
+        request_iterator: _MaybeAsyncIterator[_scheduler_pb2.StreamRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_scheduler_pb2.StreamResponse], _abc.AsyncIterator[_scheduler_pb2.StreamResponse]]:
+        """Many requests over one long-lived stream, the way a gateway submits: the
+        caller sends submit and abort messages; the scheduler answers with one
+        StreamResponse per step, holding the events of every request of this
+        stream that the step advanced. Per token this costs one message per step
+        instead of one per request. Each request ends with a final TokenEvent
+        (finish_reason set) or an error; cancelling the stream aborts all of its
+        requests, and a half-closed stream ends once its requests have finished.
         """
 
     @_abc_1.abstractmethod
