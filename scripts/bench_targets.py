@@ -315,7 +315,7 @@ class Verdict:
             f"{'PASS' if self.passed else 'MISS'}"
             + (
                 f"; medians of runs {_runs(self.meshserve_runs)} and {_runs(self.baseline_runs)}"
-                if self.meshserve_runs
+                if len(self.meshserve_runs) > 1
                 else ""
             )
         )

@@ -33,3 +33,5 @@ def test_median_run_picks_the_middle_run_by_the_metric() -> None:
     assert bt.median_run(runs, "mean_tpot_ms").mean_tpot_ms == 5.0
     verdict = bt.Verdict("b", "steady", "w", "tok/s", 3.0, "raw", 4.0, 0.75, 0.9, "m / r", [3.0, 2.5], [4.0, 4.2])
     assert verdict.line().endswith("MISS; medians of runs [3.00, 2.50] and [4.00, 4.20]")
+    single = bt.Verdict("c", "one", "w", "ms", 2.0, "tf", 3.0, 1.5, 1.0, "t / m", [2.0], [3.0])
+    assert single.line().endswith("(target >= 1x) PASS")
