@@ -35,6 +35,10 @@ CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.keepalive_time_ms", 20_000),
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A restarted peer (a scheduler pod coming back) is found within seconds, not after grpc's
+    # default backoff of up to 120 s, during which every call fails fast with UNAVAILABLE.
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 5_000),
 )
 
 log = structlog.get_logger()

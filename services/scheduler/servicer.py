@@ -162,6 +162,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.waiting = WaitingQueue()
         self.workers: dict[str, _AttachedWorker] = {}
         self.submissions: dict[str, _Submission] = {}
+        # Open Stream calls (one per gateway), ended by drain() once their requests are done.
+        self.streams: set[_StreamOut] = set()
         self.draining = False
         self._on_ready_change = on_ready_change
         self._num_finished = 0
@@ -283,11 +285,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.StreamResponse]:
         out = _StreamOut(self._release)
+        self.streams.add(out)
         reader = asyncio.create_task(self._read_stream(request_iterator, out))
         try:
             while (response := await out.responses.get()) is not None:
                 yield response
         finally:
+            self.streams.discard(out)
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -578,6 +582,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         await self._ready_changed()
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, grace - 1.0))
+        # A gateway's stream never ends by itself; the server's graceful stop would wait out the grace on it.
+        for out in list(self.streams):
+            out.closed = True
+            out.end_if_done()
         for worker in self.workers.values():
             worker.closing = True
             worker.wake.set()

@@ -13,8 +13,9 @@ import pytest
 from services.client.client import GenerationClient, build_request, sampling_params
 from services.common.channels import insecure_channel
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.support.calls import greedy_token_answers
+from tests.support.calls import greedy_token_answers, stream
 from tests.support.suite import Suite, start_suite
+from tests.support.tiny_model import transformers_greedy
 
 EOS = [2]
 
@@ -76,8 +77,19 @@ async def test_one_message_per_step_and_same_tokens_as_generate(suite: Suite) ->
         events, responses = await _read_until_final(call, set(prompts))
         call.cancel()
     tokens = {rid: [t for e in evs for t in e.tokens.token_ids] for rid, evs in events.items()}
-    # Both requests run together, so most steps answer both in one message.
-    assert sum(1 for r in responses if len(r.events) == 2) >= 5
+    # While both decode, every step answers both in one message (not one message per request).
+    started: set[str] = set()
+    finished = False
+    shared = 0
+    for response in responses:
+        names = [e.request_id for e in response.events]
+        assert len(names) == len(set(names)), "one event per request per step"
+        if started == {"a", "b"} and not finished:
+            assert sorted(names) == ["a", "b"]
+            shared += 1
+        started.update(n for n, e in zip(names, response.events, strict=True) if e.tokens.token_ids)
+        finished = finished or any(_final(e) for e in response.events)
+    assert shared >= 1
     assert all(events[rid][-1].tokens.finish_reason == sampling_pb2.FINISH_REASON_LENGTH for rid in prompts)
     expected = await greedy_token_answers(suite.address, list(prompts.values()), 24)
     assert [tokens[rid] for rid in prompts] == [a.token_ids for a in expected]
@@ -122,12 +134,17 @@ async def test_abort_and_cancel_free_every_block(suite: Suite) -> None:
             response = await asyncio.wait_for(call.read(), timeout=60)
             seen.update(e.request_id for e in response.events if e.tokens.token_ids)
         await call.write(scheduler_pb2.StreamRequest(abort=scheduler_pb2.AbortRequest(request_id="long-1")))
-        # After the abort only long-2 advances (an event already in flight may still name long-1).
-        later: list[str] = []
-        for _ in range(8):
+        # Both run in every step until the abort lands; from then on only long-2 advances.
+        names: list[str] = []
+        for _ in range(400):
             response = await asyncio.wait_for(call.read(), timeout=60)
-            later.extend(e.request_id for e in response.events)
-        assert later[-4:] == ["long-2"] * 4
+            names = [e.request_id for e in response.events]
+            if "long-1" not in names:
+                break
+        assert names == ["long-2"], "the abort never took effect"
+        for _ in range(5):
+            response = await asyncio.wait_for(call.read(), timeout=60)
+            assert [e.request_id for e in response.events] == ["long-2"]
         call.cancel()
     stats = await suite.wait_idle()
     assert [(w.num_running, w.num_free_blocks) for w in stats.workers] == [(0, w.num_blocks) for w in stats.workers]
@@ -175,3 +192,40 @@ async def test_gateway_passes_scheduler_refusals_on(suite: Suite) -> None:
     assert duplicate.value.code() == grpc.StatusCode.ALREADY_EXISTS
     stats = await suite.wait_idle()
     assert all(w.num_free_blocks == w.num_blocks for w in stats.workers)
+
+
+def test_gateway_survives_a_scheduler_restart(tiny_model_dir: Path, tmp_path: Path) -> None:
+    restarted = start_suite(tiny_model_dir, tmp_path, worker_args=["--kv-cache-memory", "16MiB"])
+    params = sampling_params(max_tokens=400, temperature=0.0, ignore_eos=True)
+    scheduler_port = restarted.scheduler.address.rsplit(":", 1)[1]
+
+    async def run() -> tuple[grpc.StatusCode, list[int]]:
+        async with GenerationClient(restarted.address) as client:
+            running = client.stub.Generate(build_request(token_ids=list(range(20, 40)), sampling=params))
+            await running.read()
+            restarted.scheduler.process.kill()
+            restarted.scheduler.process.wait()
+            with pytest.raises(grpc.aio.AioRpcError) as lost:
+                while True:
+                    await asyncio.wait_for(running.read(), timeout=30)
+            # The same port, as a restarted pod would have; the worker re-attaches by itself.
+            restarted.scheduler = restarted.launcher.start(
+                "scheduler-2",
+                ["scheduler", "--host", "127.0.0.1", "--port", scheduler_port],
+                restarted.scheduler.address,
+            )
+            await restarted.launcher.wait_healthy(restarted.scheduler, 60)
+            again = sampling_params(max_tokens=5, temperature=0.0, ignore_eos=True)
+            answer = await stream(client, build_request(token_ids=[7, 8, 9], sampling=again))
+            return lost.value.code(), answer.token_ids
+
+    try:
+        code, tokens = asyncio.run(run())
+    finally:
+        restarted.stop()
+    # Stopped before the gateway (it was started last), the scheduler ends the gateway's idle stream
+    # and exits cleanly instead of waiting out its grace period and being killed.
+    assert restarted.scheduler.process.returncode == 0, restarted.scheduler.log_tail()
+    # The request on the lost scheduler fails instead of hanging; the next one opens a new stream.
+    assert code == grpc.StatusCode.UNAVAILABLE
+    assert tokens == transformers_greedy(tiny_model_dir, [7, 8, 9], 5)
