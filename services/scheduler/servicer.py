@@ -8,7 +8,6 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
 
 import grpc
 import structlog
@@ -30,6 +29,7 @@ from services.common.sampling_checks import (
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.submissions import Failure, Item, Sink, StreamOut, Submission, is_final
 from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import RequestOutput, WorkerScheduler
 
@@ -40,98 +40,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH: sampling_pb2.FINISH_REASON_LENGTH,
     RequestStatus.FINISHED_ABORTED: sampling_pb2.FINISH_REASON_ABORT,
 }
-
-
-@dataclass
-class _Failure:
-    """How a request ends without a finish reason: a gRPC status, with the bad field for INVALID_ARGUMENT."""
-
-    code: grpc.StatusCode
-    message: str
-    field: str = ""
-    description: str = ""
-
-    @classmethod
-    def invalid(cls, err: InvalidField) -> _Failure:
-        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.description}", err.field, err.description)
-
-    async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        """End a call with this status."""
-        if self.field:
-            await abort_invalid_argument(context, self.field, self.description)
-        await context.abort(self.code, self.message)
-        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
-
-    def to_proto(self) -> scheduler_pb2.RequestError:
-        return scheduler_pb2.RequestError(
-            code=self.code.value[0], message=self.message, field=self.field, description=self.description
-        )
-
-
-_Item = scheduler_pb2.TokenEvent | _Failure
-# Where a submission's events go: (request_id, event or failure).
-_Sink = Callable[[str, _Item], None]
-
-
-def _is_final(item: _Item) -> bool:
-    return isinstance(item, _Failure) or item.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
-
-
-@dataclass
-class _Submission:
-    """A request in flight from a Submit call or a Stream: where its token events go."""
-
-    request: Request
-    sink: _Sink
-    first_token_at: float | None = None
-    finished: bool = False
-
-    def send(self, item: _Item) -> None:
-        self.sink(self.request.request_id, item)
-
-
-class _StreamOut:
-    """A Stream's outgoing side: events of one loop iteration (one step's dispatch) go out as one message."""
-
-    def __init__(self, release: Callable[[str], None]) -> None:
-        self.owned: set[str] = set()
-        self.responses: asyncio.Queue[scheduler_pb2.StreamResponse | None] = asyncio.Queue()
-        self.closed = False
-        self._release = release
-        self._pending: list[scheduler_pb2.RequestEvent] = []
-        self._flush_scheduled = False
-
-    def put(self, request_id: str, item: _Item) -> None:
-        """An event of one of this stream's requests; the final one releases it."""
-        if isinstance(item, _Failure):
-            self.refuse(request_id, item)
-        else:
-            self._add(scheduler_pb2.RequestEvent(request_id=request_id, tokens=item))
-        if _is_final(item) and request_id in self.owned:
-            self.owned.discard(request_id)
-            self._release(request_id)
-
-    def refuse(self, request_id: str, failure: _Failure) -> None:
-        """Report a failure without touching a running request of the same id."""
-        self._add(scheduler_pb2.RequestEvent(request_id=request_id, error=failure.to_proto()))
-
-    def _add(self, event: scheduler_pb2.RequestEvent) -> None:
-        self._pending.append(event)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
-
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        if self._pending:
-            self.responses.put_nowait(scheduler_pb2.StreamResponse(events=self._pending))
-            self._pending = []
-        self.end_if_done()
-
-    def end_if_done(self) -> None:
-        """After the caller half-closed, end the stream once its last request has finished."""
-        if self.closed and not self.owned and not self._flush_scheduled:
-            self.responses.put_nowait(None)
 
 
 @dataclass
@@ -161,9 +69,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.metrics = metrics
         self.waiting = WaitingQueue()
         self.workers: dict[str, _AttachedWorker] = {}
-        self.submissions: dict[str, _Submission] = {}
+        self.submissions: dict[str, Submission] = {}
         # Open Stream calls (one per gateway), ended by drain() once their requests are done.
-        self.streams: set[_StreamOut] = set()
+        self.streams: set[StreamOut] = set()
         self.draining = False
         self._on_ready_change = on_ready_change
         self._num_finished = 0
@@ -215,20 +123,20 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
 
     # ---- Submit / Abort / GetStats ------------------------------------
 
-    def _admit(self, request: scheduler_pb2.SubmitRequest, sink: _Sink) -> _Submission | _Failure:
+    def _admit(self, request: scheduler_pb2.SubmitRequest, sink: Sink) -> Submission | Failure:
         """Validate and queue a request whose events go to sink; or why it cannot be queued."""
         if self.draining:
-            return _Failure(grpc.StatusCode.UNAVAILABLE, "scheduler is draining; retry on another replica")
+            return Failure(grpc.StatusCode.UNAVAILABLE, "scheduler is draining; retry on another replica")
         if not self.workers:
-            return _Failure(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the scheduler yet")
+            return Failure(grpc.StatusCode.UNAVAILABLE, "no worker is attached to the scheduler yet")
         try:
             max_tokens = self._validate(request)
         except InvalidField as err:
-            return _Failure.invalid(err)
+            return Failure.invalid(err)
         if request.request_id in self.submissions:
-            return _Failure(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
+            return Failure(grpc.StatusCode.ALREADY_EXISTS, f"request_id {request.request_id!r} is already running")
         if len(self.waiting) >= self.settings.max_waiting_requests:
-            return _Failure(
+            return Failure(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{len(self.waiting)} requests are waiting (--max-waiting-requests); retry later",
             )
@@ -240,7 +148,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             max_tokens,
             arrival_time=time.monotonic(),
         )
-        sub = _Submission(req, sink)
+        sub = Submission(req, sink)
         self.submissions[req.request_id] = sub
         self._idle.clear()
         self.waiting.append(req)
@@ -266,17 +174,17 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Submit(
         self, request: scheduler_pb2.SubmitRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.TokenEvent]:
-        events: asyncio.Queue[_Item] = asyncio.Queue()
+        events: asyncio.Queue[Item] = asyncio.Queue()
         admitted = self._admit(request, lambda _request_id, item: events.put_nowait(item))
-        if isinstance(admitted, _Failure):
+        if isinstance(admitted, Failure):
             await admitted.abort(context)
         try:
             while True:
                 item = await events.get()
-                if isinstance(item, _Failure):
+                if isinstance(item, Failure):
                     await item.abort(context)
                 yield item
-                if _is_final(item):
+                if is_final(item):
                     return
         finally:
             self._release(request.request_id)
@@ -284,7 +192,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     async def Stream(
         self, request_iterator: AsyncIterator[scheduler_pb2.StreamRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[scheduler_pb2.StreamResponse]:
-        out = _StreamOut(self._release)
+        out = StreamOut(self._release)
         self.streams.add(out)
         reader = asyncio.create_task(self._read_stream(request_iterator, out))
         try:
@@ -298,7 +206,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             for request_id in list(out.owned):
                 self._release(request_id)
 
-    async def _read_stream(self, requests: AsyncIterator[scheduler_pb2.StreamRequest], out: _StreamOut) -> None:
+    async def _read_stream(self, requests: AsyncIterator[scheduler_pb2.StreamRequest], out: StreamOut) -> None:
         try:
             async for message in requests:
                 if message.HasField("submit"):
@@ -306,13 +214,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     if submit.request_id in out.owned:
                         out.refuse(
                             submit.request_id,
-                            _Failure(
+                            Failure(
                                 grpc.StatusCode.ALREADY_EXISTS, f"request_id {submit.request_id!r} is already running"
                             ),
                         )
                         continue
                     admitted = self._admit(submit, out.put)
-                    if isinstance(admitted, _Failure):
+                    if isinstance(admitted, Failure):
                         out.refuse(submit.request_id, admitted)
                     else:
                         out.owned.add(submit.request_id)
@@ -525,7 +433,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 continue
             if out.error is not None:
                 sub.finished = True
-                sub.send(_Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
+                sub.send(Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
                 continue
             event = scheduler_pb2.TokenEvent(token_ids=out.new_token_ids)
             if req.sampling.logprobs:
@@ -572,7 +480,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             sub = self.submissions.get(req.request_id)
             if sub is not None:
                 sub.finished = True
-                sub.send(_Failure(grpc.StatusCode.UNAVAILABLE, message))
+                sub.send(Failure(grpc.StatusCode.UNAVAILABLE, message))
 
     # ---- shutdown --------------------------------------------------------
 

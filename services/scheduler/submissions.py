@@ -1,0 +1,107 @@
+"""Where a submitted request's events go: a Submit call's queue or a Stream's per-step batches."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NoReturn
+
+import grpc
+
+from services.common.errors import abort_invalid_argument
+from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.common.sampling_checks import InvalidField
+from services.scheduler.request import Request
+
+
+@dataclass
+class Failure:
+    """How a request ends without a finish reason: a gRPC status, with the bad field for INVALID_ARGUMENT."""
+
+    code: grpc.StatusCode
+    message: str
+    field: str = ""
+    description: str = ""
+
+    @classmethod
+    def invalid(cls, err: InvalidField) -> Failure:
+        return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.description}", err.field, err.description)
+
+    async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
+        """End a call with this status."""
+        if self.field:
+            await abort_invalid_argument(context, self.field, self.description)
+        await context.abort(self.code, self.message)
+        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+
+    def to_proto(self) -> scheduler_pb2.RequestError:
+        return scheduler_pb2.RequestError(
+            code=self.code.value[0], message=self.message, field=self.field, description=self.description
+        )
+
+
+Item = scheduler_pb2.TokenEvent | Failure
+# Where a submission's events go: (request_id, event or failure).
+Sink = Callable[[str, Item], None]
+
+
+def is_final(item: Item) -> bool:
+    return isinstance(item, Failure) or item.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
+
+
+@dataclass
+class Submission:
+    """A request in flight from a Submit call or a Stream: where its token events go."""
+
+    request: Request
+    sink: Sink
+    first_token_at: float | None = None
+    finished: bool = False
+
+    def send(self, item: Item) -> None:
+        self.sink(self.request.request_id, item)
+
+
+class StreamOut:
+    """A Stream's outgoing side: events of one loop iteration (one step's dispatch) go out as one message."""
+
+    def __init__(self, release: Callable[[str], None]) -> None:
+        self.owned: set[str] = set()
+        self.responses: asyncio.Queue[scheduler_pb2.StreamResponse | None] = asyncio.Queue()
+        self.closed = False
+        self._release = release
+        self._pending: list[scheduler_pb2.RequestEvent] = []
+        self._flush_scheduled = False
+
+    def put(self, request_id: str, item: Item) -> None:
+        """An event of one of this stream's requests; the final one releases it."""
+        if isinstance(item, Failure):
+            self.refuse(request_id, item)
+        else:
+            self._add(scheduler_pb2.RequestEvent(request_id=request_id, tokens=item))
+        if is_final(item) and request_id in self.owned:
+            self.owned.discard(request_id)
+            self._release(request_id)
+
+    def refuse(self, request_id: str, failure: Failure) -> None:
+        """Report a failure without touching a running request of the same id."""
+        self._add(scheduler_pb2.RequestEvent(request_id=request_id, error=failure.to_proto()))
+
+    def _add(self, event: scheduler_pb2.RequestEvent) -> None:
+        self._pending.append(event)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._pending:
+            self.responses.put_nowait(scheduler_pb2.StreamResponse(events=self._pending))
+            self._pending = []
+        self.end_if_done()
+
+    def end_if_done(self) -> None:
+        """After the caller half-closed, end the stream once its last request has finished."""
+        if self.closed and not self.owned and not self._flush_scheduled:
+            self.responses.put_nowait(None)
