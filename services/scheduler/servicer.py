@@ -211,14 +211,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             async for message in requests:
                 if message.HasField("submit"):
                     submit = message.submit
-                    if submit.request_id in out.owned:
-                        out.refuse(
-                            submit.request_id,
-                            Failure(
-                                grpc.StatusCode.ALREADY_EXISTS, f"request_id {submit.request_id!r} is already running"
-                            ),
-                        )
-                        continue
+                    # A refusal (ALREADY_EXISTS included) must not release a running request of that id.
                     admitted = self._admit(submit, out.put)
                     if isinstance(admitted, Failure):
                         out.refuse(submit.request_id, admitted)

@@ -9,7 +9,7 @@ from typing import NoReturn
 
 import grpc
 
-from services.common.errors import abort_invalid_argument
+from services.common.errors import abort_with_request_error
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
 from services.common.sampling_checks import InvalidField
 from services.scheduler.request import Request
@@ -29,11 +29,8 @@ class Failure:
         return cls(grpc.StatusCode.INVALID_ARGUMENT, f"{err.field}: {err.description}", err.field, err.description)
 
     async def abort(self, context: grpc.aio.ServicerContext) -> NoReturn:
-        """End a call with this status."""
-        if self.field:
-            await abort_invalid_argument(context, self.field, self.description)
-        await context.abort(self.code, self.message)
-        raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+        """End a Submit call with this status."""
+        await abort_with_request_error(context, self.to_proto())
 
     def to_proto(self) -> scheduler_pb2.RequestError:
         return scheduler_pb2.RequestError(
