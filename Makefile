@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install protos lint typecheck test test-fast up clean
+.PHONY: install kernels protos lint typecheck test test-fast up clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 install: $(VENV)/.installed
+
+# The native CPU kernels, compiled for this machine's vector ISA into ~/.cache/meshserve/kernels (a no-op
+# when cached); a worker would otherwise build them on its first start.
+kernels: install
+	$(PY) -m services.worker.kernels.loader
 
 protos: install
 	$(PY) scripts/gen_protos.py
@@ -27,13 +32,13 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-test: lint typecheck
+test: lint typecheck kernels
 	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
-test-fast: install
+test-fast: kernels
 	$(PY) -m pytest -ra -m "not slow" $(PYTEST_ARGS)
 
-up: install
+up: kernels
 	$(VENV)/bin/meshserve up
 
 clean:

@@ -8,6 +8,8 @@ from services.worker.precision import Precision, parse_precision, precision_from
 
 # --device values; `auto` is resolved by services.worker.platforms.resolve_device.
 DEVICES = ("auto", "cpu", "cuda", "npu")
+# --cpu-kernels values: native kernels where they build (auto), native or fail, or the pure-torch reference.
+CPU_KERNELS = ("auto", "native", "reference")
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -30,6 +32,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     seed: int = 0
+    # CPU op table: auto (native kernels where they build), native, or reference (pure torch).
+    cpu_kernels: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -43,6 +47,8 @@ class EngineConfig:
             raise ValueError("give either --dtype or --precision, not both (--precision says more)")
         if self.device not in DEVICES:
             raise ValueError(f"--device must be one of {list(DEVICES)}, got {self.device!r}")
+        if self.cpu_kernels not in CPU_KERNELS:
+            raise ValueError(f"--cpu-kernels must be one of {list(CPU_KERNELS)}, got {self.cpu_kernels!r}")
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -17,6 +17,7 @@ from services.worker.input_batch import CachedRequest, InputBatch
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
 from services.worker.layers.attention import AttentionMetadata
+from services.worker.layers.linear import pack_linears
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.platforms import Platform, get_platform
@@ -57,7 +58,7 @@ class ModelRunner:
     ) -> None:
         self.config = config
         local_rank = dist_init.local_rank if dist_init is not None else 0
-        self.platform = platform or get_platform(config.device, local_rank)
+        self.platform = platform or get_platform(config.device, local_rank, config.cpu_kernels)
         # Before anything is allocated on the device (HCCL/NCCL bind to the current device too).
         self.platform.set_device()
         self.device = self.platform.device
@@ -133,6 +134,9 @@ class ModelRunner:
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
+        if self.platform.packs_weights(self.precision.compute):
+            # Packed for the decode batch, the steps that run most often.
+            pack_linears(model.matmul_modules(), self.precision.compute, min(self.config.max_num_seqs, 64))
         return model.eval()
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:

@@ -47,6 +47,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         max_num_seqs=settings.max_num_seqs,
         seed=settings.seed,
+        cpu_kernels=settings.cpu_kernels,
     )
 
 

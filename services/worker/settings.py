@@ -51,6 +51,11 @@ class WorkerSettings(ServiceSettings):
     )
     nnodes: int = Field(1, description="hosts the tensor-parallel group spans", ge=1)
     node_rank: int = Field(0, description="this host's index among --nnodes (0 attaches to the scheduler)", ge=0)
+    cpu_kernels: Literal["auto", "native", "reference"] = Field(
+        "auto",
+        description="CPU ops: native C++ kernels built on first use (auto falls back to reference if they "
+        "cannot be built; native fails instead), or reference (pure torch)",
+    )
     cpu_binding: Literal["auto", "off"] = Field(
         "auto", description="pin each rank to its device's NUMA-local CPUs (npu-smi topo, else sysfs)"
     )

@@ -8,6 +8,7 @@ Two cache layouts; a token's slot is block_id * block_size + offset in both:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,13 @@ import torch.nn.functional as F
 NHD = "NHD"
 HND = "HND"
 LAYOUTS = (NHD, HND)
+
+
+# One query token per sequence: (q [B, Hq, D], k_cache, v_cache, block_tables [B, nb], seq_lens [B], scale,
+# layout) -> [B, Hq, D]. decode_attention below is the reference; platforms may pass a native kernel.
+DecodeAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, str], torch.Tensor
+]
 
 
 @dataclass
@@ -41,7 +49,7 @@ def cache_shape(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: i
     raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {LAYOUTS}")
 
 
-def _head_major(cache: torch.Tensor, layout: str) -> torch.Tensor:
+def head_major(cache: torch.Tensor, layout: str) -> torch.Tensor:
     """The cache as [num_blocks, Hk, block_size, D] (a view; not contiguous for NHD)."""
     return cache if layout == HND else cache.permute(0, 2, 1, 3)
 
@@ -74,7 +82,7 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layo
 
 def _gather_head_major(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int, layout: str) -> torch.Tensor:
     """The first seq_len tokens of one sequence as [Hk, L, D]."""
-    hnd = _head_major(cache, layout)
+    hnd = head_major(cache, layout)
     num_kv_heads, block_size, head_dim = hnd.shape[1], hnd.shape[2], hnd.shape[3]
     num_blocks = -(-seq_len // block_size)
     blocks = hnd.index_select(0, block_table[:num_blocks])
@@ -90,13 +98,16 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     scale: float,
     layout: str = NHD,
+    decode: DecodeAttention | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's cached context; returns [T, Hq, D].
 
     A sequence's query tokens are its last (query_start_loc[b+1] - query_start_loc[b]) cached
     tokens, so this serves prefill chunks and decodes alike. Decodes (one query token) are batched
-    into one padded attention; prefill chunks run one SDPA each. Softmax accumulates in float32.
+    into one call of `decode` (default: a padded pure-torch attention); prefill chunks run one SDPA
+    each. Softmax accumulates in float32.
     """
+    decode = decode or decode_attention
     out = torch.empty_like(q)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -113,11 +124,11 @@ def paged_attention(
             out[start:end] = _prefill_attention(q[start:end], k, v, scale)
     if len(decode_rows) == len(lens):
         # A pure decode step (the common case): no scatter back into out.
-        return _decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         seqs = torch.tensor(decode_seqs, device=block_tables.device)
-        out[rows] = _decode_attention(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale, layout)
+        out[rows] = decode(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale, layout)
     return out
 
 
@@ -141,7 +152,7 @@ def _prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale:
 def _gather_batch(cache: torch.Tensor, tables: torch.Tensor, layout: str) -> torch.Tensor:
     """Every sequence's blocks (tables [B, nb]) as [B, Hk, nb * block_size, D]."""
     batch, num_blocks = tables.shape
-    hnd = _head_major(cache, layout)
+    hnd = head_major(cache, layout)
     num_kv_heads, block_size, head_dim = hnd.shape[1], hnd.shape[2], hnd.shape[3]
     if layout == HND:
         # Rows of the [blocks * Hk, block_size, D] view in (sequence, head, block) order: one copy, final layout.
@@ -153,7 +164,7 @@ def _gather_batch(cache: torch.Tensor, tables: torch.Tensor, layout: str) -> tor
     return gathered.view(batch, num_blocks * block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
-def _decode_attention(
+def decode_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -168,7 +179,7 @@ def _decode_attention(
     these matmuls (5 ms vs 0.36 ms per layer at batch 32, SmolLM2 shapes). Softmax is in float32.
     """
     batch, num_heads, head_dim = q.shape
-    block_size = _head_major(k_cache, layout).shape[2]
+    block_size = head_major(k_cache, layout).shape[2]
     max_len = int(seq_lens.max())
     tables = block_tables[:, : -(-max_len // block_size)]
     k = _gather_batch(k_cache, tables, layout)

@@ -6,6 +6,7 @@ own), row-parallel layers a slice of input columns with an all-reduce after the 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,20 @@ def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return t if t.dtype == dtype else t.to(dtype)
 
 
+def _matmul(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    compute_dtype: torch.dtype,
+    packed: torch.Tensor | None,
+) -> torch.Tensor:
+    """x W^T + b in the compute dtype, through the oneDNN-packed weight when pack_linears made one."""
+    bias = None if bias is None else _cast(bias, compute_dtype)
+    if packed is not None:
+        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return F.linear(x, _cast(weight, compute_dtype), bias)
+
+
 def _check_shape(name: str, got: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(got.shape) != expected:
         raise ValueError(f"{name}: checkpoint slice has shape {tuple(got.shape)}, expected {expected}")
@@ -49,10 +64,11 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out, input_size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
+        # The weight in oneDNN's blocked layout, once pack_linears has run (CPU only).
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = None if self.bias is None else _cast(self.bias, self.compute_dtype)
-        return F.linear(x, _cast(self.weight, self.compute_dtype), bias)
+        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed)
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's rows of checkpoint part `part` (a whole q_proj, gate_proj, ...)."""
@@ -79,9 +95,10 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, input_shard.size), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
+        self.packed: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(F.linear(x, _cast(self.weight, self.compute_dtype)))
+        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed))
         # After the reduce, so the bias is added once rather than once per rank.
         return y if self.bias is None else y + _cast(self.bias, self.compute_dtype)
 
@@ -111,6 +128,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
+        # The LM-head matmul's copy of the weight in oneDNN's layout; the lookup keeps the plain one.
+        self.packed: torch.Tensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -122,7 +141,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         """Float32 logits [N, vocab]: each rank's vocab slice, gathered in rank order."""
-        local = F.linear(_cast(hidden, compute_dtype), _cast(self.weight, compute_dtype)).float()
+        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed).float()
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
@@ -132,3 +151,22 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             self.weight.zero_()
             self.weight[: piece.shape[0]].copy_(piece)
+
+
+MatmulModule = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
+
+
+def pack_linears(modules: Iterable[MatmulModule], compute_dtype: torch.dtype, batch_hint: int) -> int:
+    """Reorder the matmul weight of each linear (or LM head) once into oneDNN's blocked layout; returns the count.
+
+    Unpacked, oneDNN reorders a bf16 weight on every call, which costs more than the matmul itself at
+    decode batch sizes. A packed column or row linear drops its plain weight, which only the matmul read;
+    an embedding keeps it for the lookup.
+    """
+    packed = 0
+    for module in modules:
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(_cast(module.weight, compute_dtype), batch_hint)
+        if not isinstance(module, VocabParallelEmbedding):
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+        packed += 1
+    return packed

@@ -13,6 +13,7 @@ from services.worker.distributed import SINGLE, TPGroup
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.layers.linear import (
     ColumnParallelLinear,
+    MatmulModule,
     RowParallelLinear,
     Shard,
     VocabParallelEmbedding,
@@ -289,8 +290,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank."""
-        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
-        return head.logits(hidden, self.precision.compute)
+        return self.head().logits(hidden, self.precision.compute)
+
+    def head(self) -> VocabParallelEmbedding:
+        """The LM head: the embedding itself when the checkpoint ties them."""
+        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+
+    def matmul_modules(self) -> list[MatmulModule]:
+        """Every module whose weight feeds a matmul: the linears and the LM head."""
+        linears: list[MatmulModule] = [
+            m for m in self.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+        ]
+        return [*linears, self.head()]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's slice of HF-named tensors into our (fused, sharded) parameters; raise on gaps."""

@@ -34,11 +34,11 @@ def resolve_device(name: str) -> str:
     return "cpu"
 
 
-def get_platform(name: str, local_rank: int = 0) -> Platform:
+def get_platform(name: str, local_rank: int = 0, cpu_kernels: str = "auto") -> Platform:
     """The platform for --device NAME (resolving `auto`), bound to the rank's local device index."""
     key = resolve_device(name)
     if key == "cpu":
-        return CpuPlatform(local_rank)
+        return CpuPlatform(local_rank, cpu_kernels)
     if key == "cuda":
         from services.worker.platforms.cuda import CudaPlatform
 

@@ -129,6 +129,10 @@ class Platform(abc.ABC):
         """Return cached, unused allocator blocks to the device."""
         return None
 
+    def packs_weights(self, compute_dtype: torch.dtype) -> bool:
+        """Whether linear weights should be reordered once for oneDNN (layers.linear.pack_linears)."""
+        return False
+
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
         """Scope for matmuls whose input has num_rows rows, where the platform picks kernels by shape."""
         return contextlib.nullcontext()

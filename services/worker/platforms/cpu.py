@@ -1,4 +1,4 @@
-"""CPU platform: pure-torch reference ops from services.worker.layers."""
+"""CPU platform: native kernels where they build, else the pure-torch reference ops."""
 
 from __future__ import annotations
 
@@ -6,59 +6,38 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+import structlog
 import torch
 
-from services.worker.layers import activation, attention, norm, rotary
-from services.worker.platforms.base import MemoryInfo, Ops, Platform
+from services.worker.engine_config import CPU_KERNELS
+from services.worker.kernels import loader
+from services.worker.layers import attention
+from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo, Ops, Platform
+from services.worker.platforms.cpu_native_ops import NativeCpuOps
+from services.worker.platforms.reference_ops import ReferenceOps
+
+log = structlog.get_logger()
 
 
-class ReferenceOps(Ops):
-    """The pure-torch ops; also the oracle that device platforms are tested against."""
-
-    def __init__(self, layout: str = attention.NHD) -> None:
-        if layout not in attention.LAYOUTS:
-            raise ValueError(f"unknown KV cache layout {layout!r}; expected one of {attention.LAYOUTS}")
-        self.kv_layout = layout
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        return norm.rms_norm(x, weight, eps)
-
-    def add_rms_norm(
-        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return norm.add_rms_norm(x, residual, weight, eps)
-
-    def apply_rotary(
-        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return rotary.apply_rotary(q, k, cos, sin)
-
-    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return activation.silu_and_mul(gate_up)
-
-    def reshape_and_cache(
-        self,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        slot_mapping: torch.Tensor,
-    ) -> None:
-        attention.reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, self.kv_layout)
-
-    def paged_attention(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        scale: float,
-    ) -> torch.Tensor:
-        return attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, self.kv_layout
-        )
+def cpu_ops(kernels: str = "auto") -> Ops:
+    """The CPU op table for --cpu-kernels; `auto` falls back to the reference ops, with a warning, if the
+    native kernels cannot be built here (no C++ compiler, say)."""
+    if kernels not in CPU_KERNELS:
+        raise ValueError(f"--cpu-kernels must be one of {list(CPU_KERNELS)}, got {kernels!r}")
+    # Head-major blocks: the native kernel reads them in place, the reference gathers them in one copy.
+    if kernels == "reference":
+        return ReferenceOps(attention.HND)
+    try:
+        loader.load()
+    except loader.KernelBuildError as error:
+        if kernels == "native":
+            raise DeviceUnavailableError(
+                f"--cpu-kernels native: {error}. Install a C++ compiler (g++) and ninja, "
+                "or run with --cpu-kernels reference"
+            ) from error
+        log.warning("cpu_kernels_unavailable", error=str(error), fallback="reference")
+        return ReferenceOps(attention.HND)
+    return NativeCpuOps(attention.HND)
 
 
 @contextlib.contextmanager
@@ -77,10 +56,10 @@ class CpuPlatform(Platform):
     name = "cpu"
     dist_backend = "gloo"
 
-    def __init__(self, local_rank: int = 0) -> None:
+    def __init__(self, local_rank: int = 0, kernels: str = "auto") -> None:
         super().__init__(local_rank)
-        # Head-major blocks gather into the attention matmuls' layout in one copy.
-        self._ops = ReferenceOps(attention.HND)
+        self._ops = cpu_ops(kernels)
+        self._kernels = kernels
 
     @property
     def device(self) -> torch.device:
@@ -89,6 +68,16 @@ class CpuPlatform(Platform):
     @property
     def ops(self) -> Ops:
         return self._ops
+
+    def packs_weights(self, compute_dtype: torch.dtype) -> bool:
+        # fp32 matmuls go to MKL, not oneDNN; bf16/fp16 only where oneDNN runs them natively.
+        if self._kernels == "reference":
+            return False
+        if compute_dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if compute_dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+        return False
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
         # A one-row bf16 matmul (a batch-1 decode) runs 1.3-2x faster in ATen's own GEMV than in

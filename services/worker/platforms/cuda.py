@@ -7,7 +7,7 @@ import torch
 from services.worker.layers.attention import HND
 from services.worker.platforms.accelerator import TorchAcceleratorPlatform
 from services.worker.platforms.base import DeviceUnavailableError, Ops
-from services.worker.platforms.cpu import ReferenceOps
+from services.worker.platforms.reference_ops import ReferenceOps
 
 
 class CudaPlatform(TorchAcceleratorPlatform):

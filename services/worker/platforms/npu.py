@@ -16,7 +16,7 @@ import torch
 
 from services.worker.platforms.accelerator import TorchAcceleratorPlatform
 from services.worker.platforms.base import DeviceUnavailableError, Ops
-from services.worker.platforms.cpu import ReferenceOps
+from services.worker.platforms.reference_ops import ReferenceOps
 
 ALLOC_CONF_ENV = "PYTORCH_NPU_ALLOC_CONF"
 # Expandable segments cut fragmentation of the large, long-lived KV cache tensors (as vllm-ascend sets it).

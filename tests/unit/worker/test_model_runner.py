@@ -8,11 +8,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import torch
 
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms.cpu import CpuPlatform
+from services.worker.platforms.cpu_native_ops import NativeCpuOps
 from services.worker.startup_error import StartupError
 from tests.support.devices import device_params
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
@@ -448,3 +450,48 @@ def test_matmuls_are_scoped_by_row_count(llama_dir: Path) -> None:
     # Prefill: 5 token rows, 1 logits row; then each decode: 1 and 1.
     assert platform.rows == [5, 1, 1, 1, 1, 1]
     assert len(req.outputs) == 3
+
+
+@pytest.fixture(scope="module")
+def wide_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # head_dim 64, two query heads per KV head: a shape the native decode-attention kernel takes on every
+    # ISA (the other tiny models' head_dim 16 falls back to the reference).
+    return make_tiny_model(tmp_path_factory.mktemp("wide"), hidden_size=128, num_heads=2, num_kv_heads=1, seed=3)
+
+
+def test_native_cpu_kernels_match_transformers(wide_dir: Path) -> None:
+    runner = _runner(wide_dir, block_size=4, cpu_kernels="native")
+    assert isinstance(runner.platform.ops, NativeCpuOps)
+    assert torch.ops.meshserve_cpu.decode_attention_supported(64, 2)
+    driver = Driver(runner, chunk=4)
+    reqs = []
+    for i, prompt in enumerate(PROMPTS):
+        reqs.append(driver.add(Req(f"r{i}", prompt, 8)))
+        driver.step()
+    driver.run()
+    for req in reqs:
+        assert req.outputs == transformers_greedy(wide_dir, req.prompt, 8), req.rid
+
+
+def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_dir: Path) -> None:
+    outputs = {}
+    for kernels in ("auto", "reference"):
+        runner = _runner(wide_dir, dtype="bf16", block_size=4, cpu_kernels=kernels)
+        modules = runner.model.matmul_modules()
+        packed = [m.packed is not None for m in modules]
+        assert all(packed) if kernels == "auto" else not any(packed)
+        if kernels == "auto":
+            # Column/row linears drop the plain copy; the tied-or-not LM head keeps it for lookups.
+            assert all(m.weight.numel() == 0 for m in modules[:-1])
+        driver = Driver(runner, chunk=5)
+        reqs = [driver.add(Req(f"r{i}", p, 6)) for i, p in enumerate(PROMPTS)]
+        driver.run()
+        outputs[kernels] = [r.outputs for r in reqs]
+    # Same bf16 rounding of every op but the matmuls' accumulation order: first tokens agree.
+    agree = sum(a[0] == b[0] for a, b in zip(outputs["auto"], outputs["reference"], strict=True))
+    assert agree >= len(PROMPTS) - 1
+
+
+def test_fp32_linears_stay_unpacked(llama_runner: ModelRunner) -> None:
+    assert not llama_runner.platform.packs_weights(torch.float32)
+    assert all(m.packed is None for m in llama_runner.model.matmul_modules())

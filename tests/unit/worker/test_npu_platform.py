@@ -13,7 +13,6 @@ import torch
 from services.worker.layers import attention
 from services.worker.layers.rotary import RotaryTable
 from services.worker.platforms.base import DeviceUnavailableError, MemoryInfo
-from services.worker.platforms.cpu import ReferenceOps
 from services.worker.platforms.npu import (
     ALLOC_CONF_ENV,
     DEFAULT_ALLOC_CONF,
@@ -23,6 +22,7 @@ from services.worker.platforms.npu import (
     npu_unavailable_message,
     probe_npu,
 )
+from services.worker.platforms.reference_ops import ReferenceOps
 from tests.support import fake_torch_npu
 from tests.support.fake_torch_npu import FakeNpuOpError, FakeTorchNpu, GiB
 

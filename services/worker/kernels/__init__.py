@@ -1,0 +1,1 @@
+"""Native kernels the worker builds for the machine it runs on."""

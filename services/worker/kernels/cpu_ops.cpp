@@ -1,0 +1,437 @@
+// Native CPU kernels for the worker: paged decode attention that reads KV blocks in place, and fused
+// RMSNorm, SwiGLU and rotary ops. Registered as torch.ops.meshserve_cpu.*; loaded by kernels/loader.py.
+//
+// The elementwise ops reproduce the pure-torch reference ops' rounding exactly (each torch op rounds its
+// result to the tensor dtype), so swapping them in changes speed, not numbers. Attention keeps scores,
+// softmax and the weighted sum in float32 (the reference rounds scores and probabilities to the dtype),
+// which is at least as accurate.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+// Round a float through the storage dtype, as a torch op writing a scalar_t tensor does.
+template <typename scalar_t>
+inline float round_to(float x) {
+  return static_cast<float>(static_cast<scalar_t>(x));
+}
+
+// at::vec picks the vector width the loader compiled for (kernels/loader.py sets CPU_CAPABILITY_*).
+using fVec = at::vec::Vectorized<float>;
+
+// at::vec::convert has no vectorized bf16/fp16 -> float path; this one widens a vector at a time.
+template <typename scalar_t>
+inline void to_float(const scalar_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  if constexpr (at::vec::is_reduced_floating_point_v<scalar_t>) {
+    using rVec = at::vec::Vectorized<scalar_t>;
+    for (; i + rVec::size() <= n; i += rVec::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(rVec::loadu(src + i));
+      lo.store(dst + i);
+      hi.store(dst + i + fVec::size());
+    }
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// x <- float(scalar_t(x)), through tmp: the rounding a torch op applies when it writes a scalar_t tensor.
+template <typename scalar_t>
+inline void round_through(float* x, scalar_t* tmp, int64_t n) {
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    at::vec::convert(x, tmp, n);
+    at::vec::convert(tmp, x, n);
+  }
+}
+
+// Runs fn.template operator()<scalar_t>() for the dtypes the model runs in: float32, bfloat16, float16.
+template <typename Fn>
+void dispatch_dtype(at::ScalarType dtype, const char* op, Fn&& fn) {
+  switch (dtype) {
+    case at::kFloat:
+      return fn.template operator()<float>();
+    case at::kBFloat16:
+      return fn.template operator()<at::BFloat16>();
+    case at::kHalf:
+      return fn.template operator()<at::Half>();
+    default:
+      TORCH_CHECK(false, op, ": unsupported dtype ", dtype, " (float32, bfloat16 or float16)");
+  }
+}
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+}
+
+// ----------------------------------------------------------------------------------- decode attention
+
+// One K or V row of NV float vectors, widened in registers from the cache's dtype.
+template <typename scalar_t, int NV>
+inline void load_row(const scalar_t* src, fVec (&row)[NV]) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (int c = 0; c < NV; ++c) row[c] = fVec::loadu(src + c * fVec::size());
+  } else {
+    using rVec = at::vec::Vectorized<scalar_t>;
+    static_assert(rVec::size() == 2 * fVec::size());
+    for (int c = 0; c < NV / 2; ++c) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(rVec::loadu(src + c * rVec::size()));
+      row[2 * c] = lo;
+      row[2 * c + 1] = hi;
+    }
+  }
+}
+
+struct SequenceView {
+  const int64_t* blocks;  // the sequence's block ids
+  int64_t seq_len;
+  int64_t block_size;
+  int64_t block_stride;  // elements between blocks of one head
+  int64_t row_stride;    // elements between a block's rows (tokens)
+};
+
+// Calls fn(token, row pointer offset) for each of the sequence's cached rows, block by block.
+template <typename Fn>
+inline void for_each_row(const SequenceView& seq, int64_t head_offset, Fn&& fn) {
+  for (int64_t first = 0, blk = 0; first < seq.seq_len; first += seq.block_size, ++blk) {
+    const int64_t base = seq.blocks[blk] * seq.block_stride + head_offset;
+    const int64_t rows = std::min(seq.block_size, seq.seq_len - first);
+    for (int64_t j = 0; j < rows; ++j) fn(first + j, base + j * seq.row_stride);
+  }
+}
+
+// The G query heads of one KV head against one sequence: exact softmax in three passes (scores, exp,
+// weighted V sum). Each K and V row is read once, in place, and widened in registers; the G heads' query
+// and accumulator rows stay in registers (NV = head_dim / fVec::size()).
+template <typename scalar_t, int NV, int G>
+void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const SequenceView& seq, int64_t head_offset,
+                  float* scores, float* out) {
+  const int64_t len = seq.seq_len;
+  fVec qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = fVec::loadu(q + (g * NV + c) * fVec::size());
+  float max_score[G];
+  std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
+  for_each_row(seq, head_offset, [&](int64_t t, int64_t offset) {
+    fVec row[NV];
+    load_row<scalar_t, NV>(k + offset, row);
+    for (int g = 0; g < G; ++g) {
+      fVec prod = qv[g][0] * row[0];
+      for (int c = 1; c < NV; ++c) prod = at::vec::fmadd(qv[g][c], row[c], prod);
+      const float score = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, prod);
+      scores[g * len + t] = score;
+      max_score[g] = std::max(max_score[g], score);
+    }
+  });
+  float sum[G];
+  for (int g = 0; g < G; ++g) {
+    const fVec m(max_score[g]);
+    at::vec::map([&](fVec x) { return (x - m).exp(); }, scores + g * len, scores + g * len, len);
+    sum[g] = at::vec::reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, scores + g * len, len);
+  }
+  fVec acc[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) acc[g][c] = fVec(0.f);
+  for_each_row(seq, head_offset, [&](int64_t t, int64_t offset) {
+    fVec row[NV];
+    load_row<scalar_t, NV>(v + offset, row);
+    for (int g = 0; g < G; ++g) {
+      const fVec p(scores[g * len + t]);
+      for (int c = 0; c < NV; ++c) acc[g][c] = at::vec::fmadd(p, row[c], acc[g][c]);
+    }
+  });
+  for (int g = 0; g < G; ++g) {
+    const fVec inv(sum[g] > 0.f ? 1.f / sum[g] : 0.f);
+    for (int c = 0; c < NV; ++c) (acc[g][c] * inv).store(out + (g * NV + c) * fVec::size());
+  }
+}
+
+template <typename scalar_t>
+using AttendFn = void (*)(const float*, const scalar_t*, const scalar_t*, const SequenceView&, int64_t, float*,
+                          float*);
+
+constexpr int kMaxGroup = 8;
+
+template <typename scalar_t, int NV, int G = 1>
+AttendFn<scalar_t> pick_group(int64_t group) {
+  if constexpr (G > kMaxGroup) {
+    return nullptr;
+  } else {
+    return group == G ? &attend_group<scalar_t, NV, G> : pick_group<scalar_t, NV, G + 1>(group);
+  }
+}
+
+// Register-resident kernels exist for head_dim = 4, 8 or 16 vectors and up to kMaxGroup query heads per
+// KV head: every Llama-family shape; anything else takes the reference path (decode_attention_supported).
+template <typename scalar_t>
+AttendFn<scalar_t> pick_attend(int64_t head_dim, int64_t group) {
+  if (head_dim % (2 * fVec::size()) != 0) return nullptr;
+  switch (head_dim / fVec::size()) {
+    case 4:
+      return pick_group<scalar_t, 4>(group);
+    case 8:
+      return pick_group<scalar_t, 8>(group);
+    case 16:
+      return pick_group<scalar_t, 16>(group);
+    default:
+      return nullptr;
+  }
+}
+
+bool decode_attention_supported(int64_t head_dim, int64_t group) {
+  return pick_attend<float>(head_dim, group) != nullptr;
+}
+
+template <typename scalar_t>
+void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
+                           at::Tensor& out) {
+  // q, out: [B, Hq, D] contiguous. Caches are head-major views [num_blocks, Hk, block_size, D] with a
+  // contiguous last dim; their strides say where a (block, head, offset) row lives in either layout.
+  const int64_t batch = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const AttendFn<scalar_t> attend = pick_attend<scalar_t>(head_dim, group);
+  TORCH_CHECK(attend != nullptr, "no native decode attention for head_dim ", head_dim, " with ", group,
+              " query heads per KV head; run with --cpu-kernels reference");
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+  const fVec vscale(static_cast<float>(scale));
+  const int64_t longest = batch > 0 ? *std::max_element(lens, lens + batch) : 0;
+
+  // One task per (sequence, KV head); parallel over both, so a batch of one still uses every thread.
+  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), of(group * head_dim), scores(group * longest);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
+      const SequenceView seq{tables + b * max_blocks, lens[b], block_size, k_cache.stride(0), k_cache.stride(2)};
+      TORCH_CHECK(seq.seq_len >= 0 && (seq.seq_len + block_size - 1) / block_size <= max_blocks, "seq_lens[", b,
+                  "] = ", seq.seq_len, " does not fit block_tables' ", max_blocks, " blocks");
+      const int64_t first_head = b * num_heads + kh * group;
+      to_float(q_ptr + first_head * head_dim, qf.data(), group * head_dim);
+      at::vec::map([&](fVec x) { return x * vscale; }, qf.data(), qf.data(), group * head_dim);
+      attend(qf.data(), k_ptr, v_ptr, seq, kh * k_cache.stride(1), scores.data(), of.data());
+      at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+    }
+  });
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be [batch, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be matching [num_blocks, num_kv_heads, block_size, head_dim] views");
+  TORCH_CHECK(k_cache.stride(3) == 1, "the caches' head_dim must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
+              "block_tables and seq_lens must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
+              "block_tables [batch, max_blocks] and seq_lens [batch] must match q's batch");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous();
+  const at::Tensor lens = seq_lens.contiguous();
+  at::Tensor out = at::empty_like(qc);
+  dispatch_dtype(q.scalar_type(), "paged_decode_attention", [&]<typename scalar_t>() {
+    decode_attention_impl<scalar_t>(qc, k_cache, v_cache, tables, lens, scale, out);
+  });
+  return out;
+}
+
+// -------------------------------------------------------------------------------------------- RMSNorm
+
+// One row of rms_norm in place on x (float): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded as
+// norm.rms_norm rounds it, written to out.
+template <typename scalar_t>
+inline void rms_norm_row(float* x, const float* w, scalar_t* out, scalar_t* tmp, int64_t n, float eps) {
+  const float sq = at::vec::map_reduce_all<float>([](fVec v) { return v * v; },
+                                                  [](fVec a, fVec b) { return a + b; }, x, n);
+  const fVec r(1.f / std::sqrt(sq / static_cast<float>(n) + eps));
+  at::vec::map([&](fVec v) { return v * r; }, x, x, n);
+  round_through(x, tmp, n);
+  at::vec::map2([](fVec v, fVec wv) { return v * wv; }, x, x, w, n);
+  at::vec::convert(x, out, n);
+}
+
+template <typename scalar_t>
+std::vector<float> floats_of(const at::Tensor& t) {
+  std::vector<float> out(t.numel());
+  to_float(t.data_ptr<scalar_t>(), out.data(), t.numel());
+  return out;
+}
+
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
+  check_cpu(x, "x");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [hidden], matching x's last dim");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t n = xc.size(-1), rows = xc.numel() / std::max<int64_t>(n, 1);
+  dispatch_dtype(x.scalar_type(), "rms_norm", [&]<typename scalar_t>() {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const std::vector<float> w = floats_of<scalar_t>(wc);
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(n);
+      std::vector<scalar_t> tmp(n);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(xp + r * n, row.data(), n);
+        rms_norm_row<scalar_t>(row.data(), w.data(), op + r * n, tmp.data(), n, static_cast<float>(eps));
+      }
+    });
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
+              "residual must match x's shape and dtype");
+  const at::Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
+  at::Tensor out = at::empty_like(xc), new_residual = at::empty_like(xc);
+  const int64_t n = xc.size(-1), rows = xc.numel() / std::max<int64_t>(n, 1);
+  dispatch_dtype(x.scalar_type(), "add_rms_norm", [&]<typename scalar_t>() {
+    const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = rc.data_ptr<scalar_t>();
+    const std::vector<float> w = floats_of<scalar_t>(wc);
+    scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* np = new_residual.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> row(n), res(n);
+      std::vector<scalar_t> tmp(n);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(xp + r * n, row.data(), n);
+        to_float(rp + r * n, res.data(), n);
+        at::vec::map2([](fVec a, fVec b) { return a + b; }, row.data(), row.data(), res.data(), n);
+        at::vec::convert(row.data(), np + r * n, n);
+        to_float(np + r * n, row.data(), n);
+        rms_norm_row<scalar_t>(row.data(), w.data(), op + r * n, tmp.data(), n, static_cast<float>(eps));
+      }
+    });
+  });
+  return {out, new_residual};
+}
+
+// --------------------------------------------------------------------------------------------- SwiGLU
+
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  check_cpu(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(-1) % 2 == 0, "gate_up's last dim must be even (gate and up halves)");
+  const at::Tensor in = gate_up.contiguous();
+  const int64_t n = in.size(-1) / 2, rows = in.numel() / std::max<int64_t>(2 * n, 1);
+  std::vector<int64_t> shape(in.sizes().begin(), in.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, in.options());
+  dispatch_dtype(in.scalar_type(), "silu_and_mul", [&]<typename scalar_t>() {
+    const scalar_t* ip = in.data_ptr<scalar_t>();
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      std::vector<float> silu(n), up(n);
+      std::vector<scalar_t> tmp(n);
+      for (int64_t r = begin; r < end; ++r) {
+        to_float(ip + r * 2 * n, silu.data(), n);
+        to_float(ip + r * 2 * n + n, up.data(), n);
+        // F.silu's own formula, and its rounding to the dtype before the multiply.
+        at::vec::map([](fVec x) { return x / (fVec(1.f) + x.neg().exp()); }, silu.data(), silu.data(), n);
+        round_through(silu.data(), tmp.data(), n);
+        at::vec::map2([](fVec a, fVec b) { return a * b; }, silu.data(), silu.data(), up.data(), n);
+        at::vec::convert(silu.data(), op + r * n, n);
+      }
+    });
+  });
+  return out;
+}
+
+// --------------------------------------------------------------------------------------------- rotary
+
+// x [T, H, D] rotated by cos/sin [T, D] (rotate_half convention) with rotary.apply_rotary's roundings:
+// cos and sin rounded to the dtype, each product rounded, then their sum.
+template <typename scalar_t>
+at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::empty_like(xc);
+  const int64_t tokens = xc.size(0), heads = xc.size(1), dim = xc.size(2), half = dim / 2;
+  const scalar_t* xp = xc.data_ptr<scalar_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* c = cp + t * dim;
+      const float* s = sp + t * dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        const scalar_t* src = xp + (t * heads + h) * dim;
+        scalar_t* dst = op + (t * heads + h) * dim;
+        for (int64_t d = 0; d < dim; ++d) {
+          // rotate_half: (x1, x2) -> (-x2, x1).
+          const float rot = d < half ? -static_cast<float>(src[d + half]) : static_cast<float>(src[d - half]);
+          const float a = round_to<scalar_t>(static_cast<float>(src[d]) * round_to<scalar_t>(c[d]));
+          const float b = round_to<scalar_t>(rot * round_to<scalar_t>(s[d]));
+          dst[d] = static_cast<scalar_t>(a + b);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::Tensor& k, const at::Tensor& cos,
+                                                const at::Tensor& sin) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && k.size(0) == q.size(0) && k.size(2) == q.size(2),
+              "q [T, Hq, D] and k [T, Hk, D] must share T and D");
+  TORCH_CHECK(q.size(2) % 2 == 0, "head_dim must be even");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos and sin must be float32");
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == q.size(0) && cos.size(1) == q.size(2) && sin.sizes() == cos.sizes(),
+              "cos and sin must be [T, D]");
+  const at::Tensor cc = cos.contiguous(), sc = sin.contiguous();
+  at::Tensor q_out, k_out;
+  dispatch_dtype(q.scalar_type(), "apply_rotary", [&]<typename scalar_t>() {
+    q_out = rotate<scalar_t>(q, cc, sc);
+    k_out = rotate<scalar_t>(k, cc, sc);
+  });
+  return {q_out, k_out};
+}
+
+}  // namespace
+
+TORCH_LIBRARY(meshserve_cpu, m) {
+  m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "float scale) -> Tensor");
+  m.def("decode_attention_supported(int head_dim, int group) -> bool", &decode_attention_supported);
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("apply_rotary", &apply_rotary);
+}

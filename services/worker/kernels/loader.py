@@ -1,0 +1,135 @@
+"""Build the native CPU kernels (cpu_ops.cpp) once per machine, cache the library, load it as torch.ops.meshserve_cpu.
+
+The library is compiled for the vector ISA torch itself runs with here (AVX512, AVX2, or portable code), so it
+is built where it runs: by `make install`, by the images' build step, or by the first worker that needs it.
+A build runs under an flock (released if its process dies) in a private directory, and the finished library
+is renamed into place, so concurrent workers never load a half-written file or wait on a stale lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import structlog
+import torch
+
+SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+NAMESPACE = "meshserve_cpu"
+LIBRARY_NAME = "meshserve_cpu_ops"
+CACHE_DIR_ENV = "MESHSERVE_KERNEL_CACHE_DIR"
+
+# Build macros and compiler flags per torch CPU capability, as torch's inductor uses them for at::vec.
+_X86_ISA_FLAGS = {
+    "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
+    "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
+}
+_BASE_FLAGS = ["-O3", "-fopenmp"]
+
+log = structlog.get_logger()
+
+
+class KernelBuildError(RuntimeError):
+    """The native kernels could not be built or loaded; the message says why."""
+
+
+def default_cache_dir() -> Path:
+    """$MESHSERVE_KERNEL_CACHE_DIR, else ~/.cache/meshserve/kernels."""
+    env = os.environ.get(CACHE_DIR_ENV)
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "meshserve" / "kernels"
+
+
+def isa() -> tuple[str, list[str]]:
+    """(name, compiler flags) of the vector ISA to build for: torch's own capability on x86, portable elsewhere."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if platform.machine().lower() in ("x86_64", "amd64") and capability in _X86_ISA_FLAGS:
+        return capability.lower(), _X86_ISA_FLAGS[capability]
+    return "portable", []
+
+
+def library_path(cache_dir: Path | None = None) -> Path:
+    """Where the library for this source, torch version and ISA lives in the cache."""
+    name, flags = isa()
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_BASE_FLAGS + flags).encode()).hexdigest()[:12]
+    key = f"torch{torch.__version__}-{platform.machine()}-{name}-{digest}"
+    return (cache_dir or default_cache_dir()) / key / f"{LIBRARY_NAME}.so"
+
+
+def build(cache_dir: Path | None = None) -> Path:
+    """Compile the library into the cache unless it is there; returns its path."""
+    target = library_path(cache_dir)
+    if target.exists():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with open(target.parent / "build.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not target.exists():  # else another process built it while this one waited
+                _compile_into(target)
+    except OSError as error:
+        raise KernelBuildError(
+            f"cannot build into the kernel cache {target.parent}: {error}; point {CACHE_DIR_ENV} at a writable "
+            "directory"
+        ) from error
+    return target
+
+
+def _compile_into(target: Path) -> None:
+    from torch.utils import cpp_extension
+
+    _, flags = isa()
+    _put_ninja_on_path()
+    log.info("cpu_kernels_build", source=str(SOURCE), target=str(target), flags=" ".join(flags))
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as scratch:
+        try:
+            cpp_extension.load(
+                name=LIBRARY_NAME,
+                sources=[str(SOURCE)],
+                extra_cflags=_BASE_FLAGS + flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=scratch,
+                is_python_module=False,
+                verbose=False,
+            )
+        except Exception as error:  # compiler missing, ninja missing, or a compile error
+            raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
+        os.replace(Path(scratch) / f"{LIBRARY_NAME}.so", target)
+
+
+def _put_ninja_on_path() -> None:
+    """torch's build calls `ninja` from PATH; the venv's (from the `ninja` package) is not on it unless activated."""
+    venv_bin = Path(sys.executable).parent
+    if shutil.which("ninja") is None and (venv_bin / "ninja").exists():
+        os.environ["PATH"] = f"{venv_bin}{os.pathsep}{os.environ.get('PATH', '')}"
+
+
+@functools.cache
+def load(cache_dir: Path | None = None) -> Path:
+    """Build if needed and load the library once per process; raises KernelBuildError when that fails."""
+    path = build(cache_dir)
+    try:
+        torch.ops.load_library(str(path))
+    except OSError as error:
+        raise KernelBuildError(f"loading {path} failed: {error}") from error
+    return path
+
+
+def main() -> int:
+    """Build the kernels for this machine (`python -m services.worker.kernels.loader`)."""
+    try:
+        print(build())
+    except KernelBuildError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

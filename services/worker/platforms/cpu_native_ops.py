@@ -1,0 +1,88 @@
+"""CPU op table backed by the native kernels (services/worker/kernels/cpu_ops.cpp)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from services.worker.layers import attention
+from services.worker.platforms.reference_ops import ReferenceOps
+
+
+@functools.cache
+def _native_decode_shape(head_dim: int, group: int) -> bool:
+    return bool(torch.ops.meshserve_cpu.decode_attention_supported(head_dim, group))
+
+
+def native_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    layout: str,
+) -> torch.Tensor:
+    """Decode attention reading each sequence's blocks in place (no gather, no padding to the longest)."""
+    group = q.shape[1] // k_cache.shape[2 if layout == attention.NHD else 1]
+    if k_cache.dtype != q.dtype or not _native_decode_shape(q.shape[2], group):
+        # A KV dtype unlike the compute dtype (e.g. fp16 KV under fp32 compute), or a head shape the kernel
+        # has no register layout for: the reference handles both.
+        return attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
+    return torch.ops.meshserve_cpu.paged_decode_attention(
+        q,
+        attention.head_major(k_cache, layout),
+        attention.head_major(v_cache, layout),
+        block_tables,
+        seq_lens,
+        scale,
+    )
+
+
+class NativeCpuOps(ReferenceOps):
+    """The reference ops with native fused norms, SwiGLU, rotary and decode attention; same numerics.
+
+    The elementwise kernels round exactly as the reference does; decode attention keeps scores and
+    probabilities in float32 where the reference rounds them to the compute dtype.
+    """
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.ops.meshserve_cpu.rms_norm(x, weight, eps)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        out, new_residual = torch.ops.meshserve_cpu.add_rms_norm(x, residual, weight, eps)
+        return out, new_residual
+
+    def apply_rotary(
+        self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q_out, k_out = torch.ops.meshserve_cpu.apply_rotary(q, k, cos.float(), sin.float())
+        return q_out, k_out
+
+    def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return torch.ops.meshserve_cpu.silu_and_mul(gate_up)
+
+    def paged_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        return attention.paged_attention(
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            self.kv_layout,
+            decode=native_decode_attention,
+        )

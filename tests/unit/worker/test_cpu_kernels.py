@@ -1,0 +1,194 @@
+"""Native CPU kernels (services/worker/kernels) against the pure-torch reference ops they replace."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import structlog
+import torch
+
+from services.worker.kernels import loader
+from services.worker.layers import activation, norm, rotary
+from services.worker.layers.attention import (
+    HND,
+    NHD,
+    cache_shape,
+    decode_attention,
+    head_major,
+    reshape_and_cache,
+)
+from services.worker.platforms.base import DeviceUnavailableError
+from services.worker.platforms.cpu import CpuPlatform, cpu_ops
+from services.worker.platforms.cpu_native_ops import NativeCpuOps
+from services.worker.platforms.reference_ops import ReferenceOps
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.fixture(scope="module")
+def native() -> NativeCpuOps:
+    loader.load()
+    return NativeCpuOps(HND)
+
+
+def _ulp_close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal up to one unit in the last place of the dtype (reductions may sum in another order)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    rtol = {torch.float32: 1e-5, torch.bfloat16: 2**-7, torch.float16: 2**-10}[actual.dtype]
+    torch.testing.assert_close(actual.float(), expected.float(), rtol=rtol, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_norms_match_the_reference(native: NativeCpuOps, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(37, 576, generator=g) * 3).to(dtype)
+    residual = torch.randn(37, 576, generator=g).to(dtype)
+    weight = torch.randn(576, generator=g).to(dtype)
+    _ulp_close(native.rms_norm(x, weight, 1e-5), norm.rms_norm(x, weight, 1e-5))
+    out, new_residual = native.add_rms_norm(x, residual, weight, 1e-5)
+    ref_out, ref_residual = norm.add_rms_norm(x, residual, weight, 1e-5)
+    assert torch.equal(new_residual, ref_residual)
+    _ulp_close(out, ref_out)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul_and_rotary_round_as_the_reference(native: NativeCpuOps, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(1)
+    gate_up = (torch.randn(19, 2 * 1536, generator=g) * 4).to(dtype)
+    _ulp_close(native.silu_and_mul(gate_up), activation.silu_and_mul(gate_up))
+    q = torch.randn(19, 9, 64, generator=g).to(dtype)
+    k = torch.randn(19, 3, 64, generator=g).to(dtype)
+    table = rotary.RotaryTable(1.0 / (10000.0 ** (torch.arange(0, 64, 2).float() / 64)), 4096)
+    cos, sin = table.lookup(torch.randint(0, 4096, (19,), generator=g))
+    for got, want in zip(native.apply_rotary(q, k, cos, sin), rotary.apply_rotary(q, k, cos, sin), strict=True):
+        _ulp_close(got, want)
+
+
+def _paged_batch(
+    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layout: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, Hq, D] and caches holding each sequence in shuffled blocks; tables padded with block 0."""
+    g = torch.Generator().manual_seed(sum(lens) + num_heads + head_dim)
+    block_size = 16
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 4
+    k_cache = torch.zeros(cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout), dtype=dtype)
+    v_cache = torch.zeros_like(k_cache)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        blocks = [free.pop() for _ in range(math.ceil(n / block_size))]
+        tables.append(blocks)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(n)])
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        reshape_and_cache(k.to(dtype), v.to(dtype), k_cache, v_cache, slots, layout)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens)
+
+
+@pytest.mark.parametrize("layout", [HND, NHD])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 64), (8, 1, 128), (16, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_matches_the_reference(
+    native: NativeCpuOps, layout: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # Lengths on, just past and just short of block edges, a single token, and one long sequence.
+    lens = [1, 15, 16, 17, 33, 300]
+    q, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, num_heads, num_kv_heads, head_dim, layout, dtype)
+    scale = head_dim**-0.5
+    got = torch.ops.meshserve_cpu.paged_decode_attention(
+        q, head_major(k_cache, layout), head_major(v_cache, layout), tables, seq_lens, scale
+    )
+    # The reference in float32 is the truth; the native kernel keeps scores in float32 too.
+    truth = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, scale, layout)
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    torch.testing.assert_close(got.float(), truth, rtol=tolerance, atol=tolerance)
+    assert got.dtype == dtype
+
+
+def test_paged_attention_mixes_native_decodes_with_reference_prefills(native: NativeCpuOps) -> None:
+    """A step with prefill chunks and decodes: NativeCpuOps equals ReferenceOps row for row."""
+    lens = [40, 1, 70, 23]
+    _, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, 9, 3, 64, HND, torch.float32)
+    # Sequences 0 and 2 run query chunks of 5 and 12 tokens; 1 and 3 decode one.
+    counts = [5, 1, 12, 1]
+    g = torch.Generator().manual_seed(9)
+    q = torch.randn(sum(counts), 9, 64, generator=g)
+    starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    args = (q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
+    torch.testing.assert_close(native.paged_attention(*args), ReferenceOps(HND).paged_attention(*args))
+
+
+def test_unsupported_head_shapes_take_the_reference_path(native: NativeCpuOps) -> None:
+    assert torch.ops.meshserve_cpu.decode_attention_supported(64, 3)
+    assert not torch.ops.meshserve_cpu.decode_attention_supported(48, 3)  # not whole vectors
+    assert not torch.ops.meshserve_cpu.decode_attention_supported(64, 9)  # group above the unrolled 8
+    q, k_cache, v_cache, tables, seq_lens = _paged_batch([5, 20], 9, 1, 64, HND, torch.float32)
+    starts = torch.tensor([0, 1, 2])
+    args = (q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
+    torch.testing.assert_close(native.paged_attention(*args), ReferenceOps(HND).paged_attention(*args))
+    with pytest.raises(RuntimeError, match="no native decode attention for head_dim 64 with 9"):
+        torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
+
+
+def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
+    q, k_cache, v_cache, tables, seq_lens = _paged_batch([5, 20], 4, 2, 64, HND, torch.float32)
+    attend = torch.ops.meshserve_cpu.paged_decode_attention
+    with pytest.raises(RuntimeError, match="must share a dtype"):
+        attend(q.bfloat16(), k_cache, v_cache, tables, seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="does not fit block_tables"):
+        attend(q, k_cache, v_cache, tables, torch.tensor([5, 999]), 0.125)
+    with pytest.raises(RuntimeError, match="must be int64"):
+        attend(q, k_cache, v_cache, tables.int(), seq_lens, 0.125)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        torch.ops.meshserve_cpu.rms_norm(
+            torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6
+        )
+    with pytest.raises(RuntimeError, match="weight must be"):
+        torch.ops.meshserve_cpu.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+
+
+def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: NativeCpuOps) -> None:
+    assert isinstance(cpu_ops("auto"), NativeCpuOps)
+    assert type(cpu_ops("reference")) is ReferenceOps
+    with pytest.raises(ValueError, match="--cpu-kernels must be one of"):
+        cpu_ops("fast")
+
+    def broken() -> None:
+        raise loader.KernelBuildError("building cpu_ops.cpp failed: no compiler")
+
+    monkeypatch.setattr(loader, "load", broken)
+    with structlog.testing.capture_logs() as logs:
+        assert type(cpu_ops("auto")) is ReferenceOps
+    assert logs[0]["event"] == "cpu_kernels_unavailable" and "no compiler" in logs[0]["error"]
+    with pytest.raises(DeviceUnavailableError, match="--cpu-kernels reference"):
+        CpuPlatform(kernels="native")
+
+
+def test_a_build_without_a_compiler_fails_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(loader.KernelBuildError, match=r"building cpu_ops\.cpp failed"):
+        loader.build(tmp_path)
+    # Nothing half-built is left where a later load would find it.
+    assert not loader.library_path(tmp_path).exists()
+
+
+def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    path = loader.library_path(tmp_path)
+    assert path.parent.parent == tmp_path
+    assert torch.__version__ in path.parent.name and loader.isa()[0] in path.parent.name
+    changed = tmp_path / "cpu_ops.cpp"
+    changed.write_text(loader.SOURCE.read_text() + "\n// changed\n")
+    monkeypatch.setattr(loader, "SOURCE", changed)
+    assert loader.library_path(tmp_path) != path
+
+
+def test_an_unwritable_cache_fails_with_the_variable_to_set(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(loader.KernelBuildError, match=loader.CACHE_DIR_ENV):
+        loader.build(blocker / "kernels")
