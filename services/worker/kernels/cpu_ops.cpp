@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <vector>
@@ -213,19 +214,38 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   const fVec vscale(static_cast<float>(scale));
   const int64_t longest = batch > 0 ? *std::max_element(lens, lens + batch) : 0;
 
-  // One task per (sequence, KV head); parallel over both, so a batch of one still uses every thread.
-  at::parallel_for(0, batch * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(lens[b] >= 0 && (lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ",
+                lens[b], " does not fit block_tables' ", max_blocks, " blocks");
+  }
+  // One task per (sequence, KV head), so a batch of one still uses every thread. Lengths in a batch differ
+  // tenfold: tasks go longest first to the least-loaded thread, where parallel_for's even split of the
+  // range could leave one thread with most of the work.
+  const int64_t num_tasks = batch * num_kv_heads;
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> order(num_tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a / num_kv_heads] > lens[b / num_kv_heads]; });
+  std::vector<std::vector<int64_t>> assigned(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const int64_t task : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[least].push_back(task);
+    load[least] += lens[task / num_kv_heads] + 1;
+  }
+  at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), of(group * head_dim), scores(group * longest);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
-      const SequenceView seq{tables + b * max_blocks, lens[b], block_size, k_cache.stride(0), k_cache.stride(2)};
-      TORCH_CHECK(seq.seq_len >= 0 && (seq.seq_len + block_size - 1) / block_size <= max_blocks, "seq_lens[", b,
-                  "] = ", seq.seq_len, " does not fit block_tables' ", max_blocks, " blocks");
-      const int64_t first_head = b * num_heads + kh * group;
-      to_float(q_ptr + first_head * head_dim, qf.data(), group * head_dim);
-      at::vec::map([&](fVec x) { return x * vscale; }, qf.data(), qf.data(), group * head_dim);
-      attend(qf.data(), k_ptr, v_ptr, seq, kh * k_cache.stride(1), scores.data(), of.data());
-      at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (const int64_t task : assigned[thread]) {
+        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
+        const SequenceView seq{tables + b * max_blocks, lens[b], block_size, k_cache.stride(0), k_cache.stride(2)};
+        const int64_t first_head = b * num_heads + kh * group;
+        to_float(q_ptr + first_head * head_dim, qf.data(), group * head_dim);
+        at::vec::map([&](fVec x) { return x * vscale; }, qf.data(), qf.data(), group * head_dim);
+        attend(qf.data(), k_ptr, v_ptr, seq, kh * k_cache.stride(1), scores.data(), of.data());
+        at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+      }
     }
   });
 }
