@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -192,3 +194,47 @@ def test_an_unwritable_cache_fails_with_the_variable_to_set(tmp_path: Path) -> N
     blocker.write_text("not a directory")
     with pytest.raises(loader.KernelBuildError, match=loader.CACHE_DIR_ENV):
         loader.build(blocker / "kernels")
+
+
+_PORTABLE_CHECK = """
+import sys
+from pathlib import Path
+
+import torch
+
+# As on a CPU torch knows no SIMD level for (Kunpeng, say): the kernels build without ISA flags.
+torch.backends.cpu.get_cpu_capability = lambda: "DEFAULT"
+from services.worker.kernels import loader
+from services.worker.layers import norm
+from services.worker.layers.attention import HND, decode_attention
+
+assert loader.isa() == ("portable", [])
+torch.ops.load_library(str(loader.build(Path(sys.argv[1]))))
+g = torch.Generator().manual_seed(0)
+k_cache = torch.randn(8, 2, 16, 64, generator=g)
+v_cache = torch.randn(8, 2, 16, 64, generator=g)
+q = torch.randn(2, 4, 64, generator=g)
+tables = torch.tensor([[3, 1, 0], [5, 0, 0]])
+lens = torch.tensor([40, 9])
+got = torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
+torch.testing.assert_close(got, decode_attention(q, k_cache, v_cache, tables, lens, 0.125, HND))
+x, w = torch.randn(3, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
+torch.testing.assert_close(torch.ops.meshserve_cpu.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), rtol=2**-7, atol=0)
+print("portable ok")
+"""
+
+
+@pytest.mark.slow
+def test_the_portable_build_compiles_and_matches_the_reference(tmp_path: Path) -> None:
+    """The build non-x86 hosts get (no ISA flags, at::vec's generic vectors), in a fresh process."""
+    result = subprocess.run(
+        [sys.executable, "-c", _PORTABLE_CHECK, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        check=False,
+        cwd=Path(__file__).resolve().parents[3],
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "portable ok" in result.stdout
+    assert list(tmp_path.glob("*-portable-*/meshserve_cpu_ops.so"))
