@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <tuple>
@@ -100,12 +101,28 @@ struct SequenceView {
   int64_t row_stride;    // elements between a block's rows (tokens)
 };
 
-// Calls fn(token, row pointer offset) for each of the sequence's cached rows, block by block.
-template <typename Fn>
-inline void for_each_row(const SequenceView& seq, int64_t head_offset, Fn&& fn) {
+// Calls fn(token, row offset) for each of the sequence's cached rows, block by block, prefetching the next
+// block's rows (row_elems each) in every one of `prefetch`: blocks sit anywhere in a cache far larger than
+// the CPU's caches, and without the hint every block starts with a full memory latency.
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const SequenceView& seq, int64_t head_offset, std::initializer_list<const scalar_t*> prefetch,
+                         int64_t row_elems, Fn&& fn) {
+  constexpr int64_t kLine = 64;
+  const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t first = 0, blk = 0; first < seq.seq_len; first += seq.block_size, ++blk) {
     const int64_t base = seq.blocks[blk] * seq.block_stride + head_offset;
     const int64_t rows = std::min(seq.block_size, seq.seq_len - first);
+    const int64_t next_first = first + seq.block_size;
+    if (next_first < seq.seq_len) {
+      const int64_t next = seq.blocks[blk + 1] * seq.block_stride + head_offset;
+      const int64_t next_rows = std::min(seq.block_size, seq.seq_len - next_first);
+      for (const scalar_t* data : prefetch) {
+        for (int64_t j = 0; j < next_rows; ++j) {
+          const char* row = reinterpret_cast<const char*>(data + next + j * seq.row_stride);
+          for (int64_t byte = 0; byte < row_bytes; byte += kLine) __builtin_prefetch(row + byte);
+        }
+      }
+    }
     for (int64_t j = 0; j < rows; ++j) fn(first + j, base + j * seq.row_stride);
   }
 }
@@ -122,7 +139,8 @@ void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const Se
     for (int c = 0; c < NV; ++c) qv[g][c] = fVec::loadu(q + (g * NV + c) * fVec::size());
   float max_score[G];
   std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
-  for_each_row(seq, head_offset, [&](int64_t t, int64_t offset) {
+  // The scores pass prefetches V as well, so the weighted-sum pass finds it in L2.
+  for_each_row(seq, head_offset, {k, v}, NV * fVec::size(), [&](int64_t t, int64_t offset) {
     fVec row[NV];
     load_row<scalar_t, NV>(k + offset, row);
     for (int g = 0; g < G; ++g) {
@@ -142,7 +160,7 @@ void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const Se
   fVec acc[G][NV];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < NV; ++c) acc[g][c] = fVec(0.f);
-  for_each_row(seq, head_offset, [&](int64_t t, int64_t offset) {
+  for_each_row(seq, head_offset, {v}, NV * fVec::size(), [&](int64_t t, int64_t offset) {
     fVec row[NV];
     load_row<scalar_t, NV>(v + offset, row);
     for (int g = 0; g < G; ++g) {
@@ -388,11 +406,14 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
 
 // x [T, H, D] rotated by cos/sin [T, D] (rotate_half convention) with rotary.apply_rotary's roundings:
 // cos and sin rounded to the dtype, each product rounded, then their sum.
+// x may be a strided view (q and k are slices of the fused QKV output): read through its strides, write a
+// contiguous result.
 template <typename scalar_t>
 at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
-  const at::Tensor xc = x.contiguous();
-  at::Tensor out = at::empty_like(xc);
+  const at::Tensor xc = x.stride(2) == 1 ? x : x.contiguous();
+  at::Tensor out = at::empty(xc.sizes(), xc.options());
   const int64_t tokens = xc.size(0), heads = xc.size(1), dim = xc.size(2), half = dim / 2;
+  const int64_t st = xc.stride(0), sh = xc.stride(1);
   const scalar_t* xp = xc.data_ptr<scalar_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
@@ -402,7 +423,7 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
       const float* c = cp + t * dim;
       const float* s = sp + t * dim;
       for (int64_t h = 0; h < heads; ++h) {
-        const scalar_t* src = xp + (t * heads + h) * dim;
+        const scalar_t* src = xp + t * st + h * sh;
         scalar_t* dst = op + (t * heads + h) * dim;
         for (int64_t d = 0; d < dim; ++d) {
           // rotate_half: (x1, x2) -> (-x2, x1).
@@ -436,6 +457,49 @@ std::tuple<at::Tensor, at::Tensor> apply_rotary(const at::Tensor& q, const at::T
   return {q_out, k_out};
 }
 
+// ----------------------------------------------------------------------------------- KV cache write
+
+// Writes k, v [T, Hk, D] (strided views allowed, head_dim contiguous) into head-major cache views at
+// slot_mapping [T] (slot = block * block_size + offset): one row copy per (token, head), no index tensors.
+void reshape_and_cache(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& slot_mapping) {
+  check_cpu(k, "k");
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes(), "k and v must both be [T, num_kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be matching [num_blocks, num_kv_heads, block_size, head_dim] views");
+  TORCH_CHECK(k_cache.size(1) == k.size(1) && k_cache.size(3) == k.size(2), "k's heads and head_dim must match the cache's");
+  TORCH_CHECK(k.scalar_type() == k_cache.scalar_type() && v.scalar_type() == k.scalar_type() &&
+                  v_cache.scalar_type() == k.scalar_type(),
+              "k, v and the caches must share a dtype");
+  TORCH_CHECK(k.stride(2) == 1 && v.stride(2) == 1 && k_cache.stride(3) == 1, "head_dim must be contiguous");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == k.size(0),
+              "slot_mapping must be int64 [T]");
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t tokens = k.size(0), heads = k.size(1), dim = k.size(2), block_size = k_cache.size(2);
+  const int64_t num_slots = k_cache.size(0) * block_size;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot_mapping[", t, "] = ", sp[t], " is outside the cache's ",
+                num_slots, " slots");
+  }
+  dispatch_dtype(k.scalar_type(), "reshape_and_cache", [&]<typename scalar_t>() {
+    const scalar_t* kp = k.data_ptr<scalar_t>();
+    const scalar_t* vp = v.data_ptr<scalar_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t block = sp[t] / block_size, offset = sp[t] % block_size;
+        for (int64_t h = 0; h < heads; ++h) {
+          const int64_t dst = block * k_cache.stride(0) + h * k_cache.stride(1) + offset * k_cache.stride(2);
+          std::copy_n(kp + t * k.stride(0) + h * k.stride(1), dim, kc + dst);
+          std::copy_n(vp + t * v.stride(0) + h * v.stride(1), dim, vc + dst);
+        }
+      }
+    });
+  });
+}
+
 }  // namespace
 
 TORCH_LIBRARY(meshserve_cpu, m) {
@@ -445,6 +509,7 @@ TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
+  m.def("reshape_and_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
   m.def("apply_rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 
@@ -453,5 +518,6 @@ TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("reshape_and_cache", &reshape_and_cache);
   m.impl("apply_rotary", &apply_rotary);
 }

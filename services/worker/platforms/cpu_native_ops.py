@@ -41,7 +41,7 @@ def native_decode_attention(
 
 
 class NativeCpuOps(ReferenceOps):
-    """The reference ops with native fused norms, SwiGLU, rotary and decode attention; same numerics.
+    """The reference ops with native fused norms, SwiGLU, rotary, KV cache write and decode attention.
 
     The elementwise kernels round exactly as the reference does; decode attention keeps scores and
     probabilities in float32 where the reference rounds them to the compute dtype.
@@ -64,6 +64,23 @@ class NativeCpuOps(ReferenceOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.meshserve_cpu.silu_and_mul(gate_up)
+
+    def reshape_and_cache(
+        self,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        if k.dtype != k_cache.dtype:
+            # The reference converts to the KV dtype on the way in.
+            super().reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+            return
+        layout = self.kv_layout
+        torch.ops.meshserve_cpu.reshape_and_cache(
+            k, v, attention.head_major(k_cache, layout), attention.head_major(v_cache, layout), slot_mapping
+        )
 
     def paged_attention(
         self,

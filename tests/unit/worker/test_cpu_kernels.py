@@ -238,3 +238,29 @@ def test_the_portable_build_compiles_and_matches_the_reference(tmp_path: Path) -
     assert result.returncode == 0, result.stderr[-3000:]
     assert "portable ok" in result.stdout
     assert list(tmp_path.glob("*-portable-*/meshserve_cpu_ops.so"))
+
+
+@pytest.mark.parametrize("layout", [HND, NHD])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kv_cache_write_matches_the_reference_from_strided_views(
+    native: NativeCpuOps, layout: str, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(5)
+    # k and v as the model has them: head-split slices of one fused QKV row, not contiguous.
+    qkv = torch.randn(7, (4 + 2 + 2) * 64, generator=g).to(dtype)
+    _, k, v = qkv.split([4 * 64, 2 * 64, 2 * 64], dim=-1)
+    k, v = k.reshape(7, 2, 64), v.reshape(7, 2, 64)
+    assert not k.is_contiguous()
+    slots = torch.tensor([0, 17, 18, 31, 5, 40, 63])
+    caches = {}
+    for ops in (NativeCpuOps(layout), ReferenceOps(layout)):
+        k_cache = torch.zeros(cache_shape(4, 16, 2, 64, layout), dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, slots)
+        caches[type(ops).__name__] = (k_cache, v_cache)
+    for native_cache, reference_cache in zip(caches["NativeCpuOps"], caches["ReferenceOps"], strict=True):
+        assert torch.equal(native_cache, reference_cache)
+    with pytest.raises(RuntimeError, match=r"slot_mapping\[0\] = 64 is outside the cache's 64 slots"):
+        torch.ops.meshserve_cpu.reshape_and_cache(
+            k, v, head_major(k_cache, layout), head_major(v_cache, layout), torch.tensor([64, 0, 0, 0, 0, 0, 0])
+        )
