@@ -1,5 +1,6 @@
-// Native CPU kernels for the worker: paged decode attention that reads KV blocks in place, and fused
-// RMSNorm, SwiGLU and rotary ops. Registered as torch.ops.meshserve_cpu.*; loaded by kernels/loader.py.
+// Native CPU kernels for the worker: paged decode attention that reads KV blocks in place, the KV cache
+// write, and fused RMSNorm, SwiGLU and rotary ops. Registered as torch.ops.meshserve_cpu.*; built and
+// loaded by kernels/loader.py.
 //
 // The elementwise ops reproduce the pure-torch reference ops' rounding exactly (each torch op rounds its
 // result to the tensor dtype), so swapping them in changes speed, not numbers. Attention keeps scores,
