@@ -322,24 +322,40 @@ void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  check_norm_args(x, weight);
+// rms_norm of each row of x, or of x + residual when new_residual is given (which then receives that
+// sum, rounded to the dtype as the reference's add rounds it); out gets the normed rows.
+void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor& weight, double eps,
+               at::Tensor& out, at::Tensor* new_residual) {
   const at::Tensor xc = x.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty_like(xc);
+  const at::Tensor rc = residual != nullptr ? residual->contiguous() : at::Tensor();
   const int64_t n = xc.size(-1), rows = xc.numel() / std::max<int64_t>(n, 1);
   dispatch_dtype(x.scalar_type(), "rms_norm", [&]<typename scalar_t>() {
     const scalar_t* xp = xc.data_ptr<scalar_t>();
+    const scalar_t* rp = residual != nullptr ? rc.data_ptr<scalar_t>() : nullptr;
     const std::vector<float> w = floats_of<scalar_t>(wc);
     scalar_t* op = out.data_ptr<scalar_t>();
+    scalar_t* np = new_residual != nullptr ? new_residual->data_ptr<scalar_t>() : nullptr;
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(n);
+      std::vector<float> row(n), res(rp != nullptr ? n : 0);
       std::vector<scalar_t> tmp(n);
       for (int64_t r = begin; r < end; ++r) {
         to_float(xp + r * n, row.data(), n);
+        if (rp != nullptr) {
+          to_float(rp + r * n, res.data(), n);
+          at::vec::map2([](fVec a, fVec b) { return a + b; }, row.data(), row.data(), res.data(), n);
+          at::vec::convert(row.data(), np + r * n, n);
+          to_float(np + r * n, row.data(), n);
+        }
         rms_norm_row<scalar_t>(row.data(), w.data(), op + r * n, tmp.data(), n, static_cast<float>(eps));
       }
     });
   });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_norm_args(x, weight);
+  at::Tensor out = at::empty(x.sizes(), x.options());
+  norm_rows(x, nullptr, weight, eps, out, nullptr);
   return out;
 }
 
@@ -348,28 +364,8 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   check_norm_args(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual must match x's shape and dtype");
-  const at::Tensor xc = x.contiguous(), rc = residual.contiguous(), wc = weight.contiguous();
-  at::Tensor out = at::empty_like(xc), new_residual = at::empty_like(xc);
-  const int64_t n = xc.size(-1), rows = xc.numel() / std::max<int64_t>(n, 1);
-  dispatch_dtype(x.scalar_type(), "add_rms_norm", [&]<typename scalar_t>() {
-    const scalar_t* xp = xc.data_ptr<scalar_t>();
-    const scalar_t* rp = rc.data_ptr<scalar_t>();
-    const std::vector<float> w = floats_of<scalar_t>(wc);
-    scalar_t* op = out.data_ptr<scalar_t>();
-    scalar_t* np = new_residual.data_ptr<scalar_t>();
-    at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(n), res(n);
-      std::vector<scalar_t> tmp(n);
-      for (int64_t r = begin; r < end; ++r) {
-        to_float(xp + r * n, row.data(), n);
-        to_float(rp + r * n, res.data(), n);
-        at::vec::map2([](fVec a, fVec b) { return a + b; }, row.data(), row.data(), res.data(), n);
-        at::vec::convert(row.data(), np + r * n, n);
-        to_float(np + r * n, row.data(), n);
-        rms_norm_row<scalar_t>(row.data(), w.data(), op + r * n, tmp.data(), n, static_cast<float>(eps));
-      }
-    });
-  });
+  at::Tensor out = at::empty(x.sizes(), x.options()), new_residual = at::empty(x.sizes(), x.options());
+  norm_rows(x, &residual, weight, eps, out, &new_residual);
   return {out, new_residual};
 }
 

@@ -156,17 +156,14 @@ class VocabParallelEmbedding(nn.Module):
 MatmulModule = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
 
 
-def pack_linears(modules: Iterable[MatmulModule], compute_dtype: torch.dtype, batch_hint: int) -> int:
-    """Reorder the matmul weight of each linear (or LM head) once into oneDNN's blocked layout; returns the count.
+def pack_linears(modules: Iterable[MatmulModule], compute_dtype: torch.dtype, batch_hint: int) -> None:
+    """Reorder the matmul weight of each linear (or LM head) once into oneDNN's blocked layout.
 
     Unpacked, oneDNN reorders a bf16 weight on every call, which costs more than the matmul itself at
     decode batch sizes. A packed column or row linear drops its plain weight, which only the matmul read;
     an embedding keeps it for the lookup.
     """
-    packed = 0
     for module in modules:
         module.packed = torch.ops.mkldnn._reorder_linear_weight(_cast(module.weight, compute_dtype), batch_hint)
         if not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
-        packed += 1
-    return packed

@@ -15,31 +15,6 @@ def _native_decode_shape(head_dim: int, group: int) -> bool:
     return bool(torch.ops.meshserve_cpu.decode_attention_supported(head_dim, group))
 
 
-def native_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    layout: str,
-) -> torch.Tensor:
-    """Decode attention reading each sequence's blocks in place (no gather, no padding to the longest)."""
-    group = q.shape[1] // k_cache.shape[2 if layout == attention.NHD else 1]
-    if k_cache.dtype != q.dtype or not _native_decode_shape(q.shape[2], group):
-        # A KV dtype unlike the compute dtype (e.g. fp16 KV under fp32 compute), or a head shape the kernel
-        # has no register layout for: the reference handles both.
-        return attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
-    return torch.ops.meshserve_cpu.paged_decode_attention(
-        q,
-        attention.head_major(k_cache, layout),
-        attention.head_major(v_cache, layout),
-        block_tables,
-        seq_lens,
-        scale,
-    )
-
-
 class NativeCpuOps(ReferenceOps):
     """The reference ops with native fused norms, SwiGLU, rotary, KV cache write and decode attention.
 
@@ -82,24 +57,21 @@ class NativeCpuOps(ReferenceOps):
             k, v, attention.head_major(k_cache, layout), attention.head_major(v_cache, layout), slot_mapping
         )
 
-    def paged_attention(
+    def decode_attention(
         self,
         q: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
         scale: float,
+        layout: str,
     ) -> torch.Tensor:
-        return attention.paged_attention(
-            q,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens,
-            query_start_loc,
-            scale,
-            self.kv_layout,
-            decode=native_decode_attention,
-        )
+        """Reads each sequence's blocks in place (no gather, no padding to the longest)."""
+        k_view, v_view = attention.head_major(k_cache, layout), attention.head_major(v_cache, layout)
+        group = q.shape[1] // k_view.shape[1]
+        if k_cache.dtype != q.dtype or not _native_decode_shape(q.shape[2], group):
+            # A KV dtype unlike the compute dtype (e.g. fp16 KV under fp32 compute), or a head shape the
+            # kernel has no register layout for: the reference handles both.
+            return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
+        return torch.ops.meshserve_cpu.paged_decode_attention(q, k_view, v_view, block_tables, seq_lens, scale)

@@ -53,5 +53,26 @@ class ReferenceOps(Ops):
         scale: float,
     ) -> torch.Tensor:
         return attention.paged_attention(
-            q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, self.kv_layout
+            q,
+            k_cache,
+            v_cache,
+            block_tables,
+            seq_lens,
+            query_start_loc,
+            scale,
+            self.kv_layout,
+            decode=self.decode_attention,
         )
+
+    def decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        layout: str,
+    ) -> torch.Tensor:
+        """One query token per sequence (paged_attention's decode rows); subclasses swap in a kernel."""
+        return attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
