@@ -32,3 +32,13 @@ def test_one_row_bf16_matmul_agrees_with_onednn() -> None:
     # Both accumulate in fp32 and round once to bf16: within bf16's half-ulp of the fp32 result.
     for out in (aten, onednn):
         torch.testing.assert_close(out, reference, rtol=2**-8, atol=1e-2)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_bf16_weights_are_packed_only_where_onednn_runs_bf16(
+    monkeypatch: pytest.MonkeyPatch, supported: bool
+) -> None:
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
+    assert CpuPlatform().packs_weights(torch.bfloat16) is supported
+    assert not CpuPlatform(kernels="reference").packs_weights(torch.bfloat16)
+    assert not CpuPlatform().packs_weights(torch.float32)
