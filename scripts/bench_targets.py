@@ -467,6 +467,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="runs of targets a-c on each side, the median reported (default 3; 1 with --quick)",
     )
+    parser.add_argument(
+        "--transformers-repeat",
+        type=int,
+        default=None,
+        help="runs of the transformers baselines of a and c (default: --repeat); where the host has no native "
+        "bf16, one bf16 run of a takes over ten minutes",
+    )
     parser.add_argument("--out-dir", type=Path, default=ROOT / "docs" / "benchmarks", help="results.json and the plot")
     parser.add_argument("--skip", nargs="*", choices=TARGETS, default=[], help="targets not to run (a b c d e)")
     parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded SmolLM2)")
@@ -479,8 +486,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns = parse_args(argv)
     if ns.repeat is None:
         ns.repeat = 1 if ns.quick else 3
-    if ns.repeat < 1:
-        raise SystemExit("--repeat must be >= 1")
+    if ns.transformers_repeat is None:
+        ns.transformers_repeat = ns.repeat
+    if ns.repeat < 1 or ns.transformers_repeat < 1:
+        raise SystemExit("--repeat and --transformers-repeat must be >= 1")
     from services.common.logs import configure_logging
 
     # The in-process backends log model loads; stdout is for the results only.
@@ -504,8 +513,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     baseline_runs: dict[str, list[BenchSummary]] = {}
     sweep_served: dict[int, BenchSummary] = {}
 
-    def repeat(measure: Callable[[], BenchSummary]) -> list[BenchSummary]:
-        return [measure() for _ in range(ns.repeat)]
+    def repeat(measure: Callable[[], BenchSummary], times: int = ns.repeat) -> list[BenchSummary]:
+        return [measure() for _ in range(times)]
 
     sweep_baseline: dict[int, BenchSummary] = {}
     timings: dict[str, float] = {}
@@ -556,7 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             baseline_runs["a"] = repeat(
                 lambda: in_process(
                     "transformers", run_transformers_baseline, model_dir, wl.mixed, plan.mixed_concurrency, ns.dtype
-                )
+                ),
+                ns.transformers_repeat,
             )
     if "b" in run:
         with phase("b raw runner"):
@@ -566,7 +576,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "c" in run:
         with phase("c transformers"):
             baseline_runs["c"] = repeat(
-                lambda: in_process("transformers", run_transformers_baseline, model_dir, wl.single, 1, ns.dtype)
+                lambda: in_process("transformers", run_transformers_baseline, model_dir, wl.single, 1, ns.dtype),
+                ns.transformers_repeat,
             )
     # Targets a-c report the median of their repeated runs on each side (the machine is noisy).
     for target, metric in REPEATED_METRICS.items():

@@ -118,6 +118,8 @@ class ModelRunner:
             model=self.model_name,
             model_type=arch.model_type,
             precision=self.precision.name,
+            # "onednn-float32" under a bf16 precision: GEMMs on fp32 copies of the weights (no native bf16 here).
+            matmul_weights=self.matmul_weights,
             device=str(self.device),
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
@@ -134,9 +136,12 @@ class ModelRunner:
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
-        if self.platform.packs_weights(self.precision.compute):
+        pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
+        self.matmul_weights = "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
+        if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
-            pack_linears(model.matmul_modules(), self.precision.compute, min(self.config.max_num_seqs, 64))
+            batch_hint = min(self.config.max_num_seqs, 64)
+            pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
         return model.eval()
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:

@@ -41,10 +41,18 @@ def _matmul(
     compute_dtype: torch.dtype,
     packed: torch.Tensor | None,
 ) -> torch.Tensor:
-    """x W^T + b in the compute dtype, through the oneDNN-packed weight when pack_linears made one."""
+    """x W^T + b in the compute dtype, through the oneDNN-packed weight when pack_linears made one.
+
+    A weight packed in fp32 for a half-precision compute dtype takes the input widened (exactly) and
+    rounds the fp32-accumulated result once, as a half-precision GEMM does. Inside the platform's one-row
+    scope (oneDNN off) such a layer uses its plain half-precision weight instead: ATen's GEMV reads half
+    the bytes, 1.5-2x faster for one row (docs/benchmarks.md).
+    """
+    if packed is not None and (packed.dtype == compute_dtype or torch._C._get_mkldnn_enabled()):
+        bias = None if bias is None else _cast(_cast(bias, compute_dtype), packed.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(_cast(x, packed.dtype), packed, bias, "none", [], "")
+        return _cast(out, compute_dtype)
     bias = None if bias is None else _cast(bias, compute_dtype)
-    if packed is not None:
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
     return F.linear(x, _cast(weight, compute_dtype), bias)
 
 
@@ -156,14 +164,18 @@ class VocabParallelEmbedding(nn.Module):
 MatmulModule = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
 
 
-def pack_linears(modules: Iterable[MatmulModule], compute_dtype: torch.dtype, batch_hint: int) -> None:
-    """Reorder the matmul weight of each linear (or LM head) once into oneDNN's blocked layout.
+def pack_linears(
+    modules: Iterable[MatmulModule], compute_dtype: torch.dtype, pack_dtype: torch.dtype, batch_hint: int
+) -> None:
+    """Reorder each linear's (or LM head's) weight, rounded to compute_dtype, once into oneDNN's layout in pack_dtype.
 
     Unpacked, oneDNN reorders a bf16 weight on every call, which costs more than the matmul itself at
-    decode batch sizes. A packed column or row linear drops its plain weight, which only the matmul read;
-    an embedding keeps it for the lookup.
+    decode batch sizes. A column or row linear packed in its compute dtype drops its plain weight, which
+    only the matmul read; one packed in fp32 keeps it for one-row matmuls, and an embedding for the lookup.
     """
     for module in modules:
-        module.packed = torch.ops.mkldnn._reorder_linear_weight(_cast(module.weight, compute_dtype), batch_hint)
-        if not isinstance(module, VocabParallelEmbedding):
+        module.packed = torch.ops.mkldnn._reorder_linear_weight(
+            _cast(_cast(module.weight, compute_dtype), pack_dtype), batch_hint
+        )
+        if pack_dtype == compute_dtype and not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

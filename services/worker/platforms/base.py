@@ -129,9 +129,9 @@ class Platform(abc.ABC):
         """Return cached, unused allocator blocks to the device."""
         return None
 
-    def packs_weights(self, compute_dtype: torch.dtype) -> bool:
-        """Whether linear weights should be reordered once for oneDNN (layers.linear.pack_linears)."""
-        return False
+    def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
+        """The dtype linear weights are reordered into once for oneDNN (layers.linear.pack_linears), or None."""
+        return None
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
         """Scope for matmuls whose input has num_rows rows, where the platform picks kernels by shape."""

@@ -69,15 +69,22 @@ class CpuPlatform(Platform):
     def ops(self) -> Ops:
         return self._ops
 
-    def packs_weights(self, compute_dtype: torch.dtype) -> bool:
-        # fp32 matmuls go to MKL, not oneDNN; bf16/fp16 only where oneDNN runs them natively.
-        if self._kernels == "reference":
-            return False
-        if compute_dtype == torch.bfloat16:
-            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        if compute_dtype == torch.float16:
-            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
-        return False
+    def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
+        # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively
+        # (avx512_bf16, AMX), else in fp32 on fp32 copies of the weights. ATen's fallback half-precision GEMM
+        # is 4-6x slower than either on AVX2 hosts, and widening bf16 is exact, so the fp32 GEMM rounded
+        # once at the end is the same computation as a bf16 GEMM with fp32 accumulation.
+        if self._kernels == "reference" or compute_dtype == torch.float32:
+            return None
+        if not torch.backends.mkldnn.is_available():
+            return None
+        native = {
+            torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+            torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+        }.get(compute_dtype)
+        if native is None:
+            return None
+        return compute_dtype if native() else torch.float32
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
         # A one-row bf16 matmul (a batch-1 decode) runs 1.3-2x faster in ATen's own GEMV than in

@@ -474,17 +474,22 @@ def test_native_cpu_kernels_match_transformers(wide_dir: Path) -> None:
 
 
 def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_dir: Path) -> None:
-    # Packing needs oneDNN's native bf16 (avx512_bf16/AMX); on AVX2-only hosts both runs stay unpacked.
-    onednn_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    # In bf16 where oneDNN runs bf16 natively (avx512_bf16/AMX), else in fp32 (AVX2-only hosts).
+    pack_dtype = torch.bfloat16 if torch.ops.mkldnn._is_mkldnn_bf16_supported() else torch.float32
     outputs = {}
     for kernels in ("auto", "reference"):
         runner = _runner(wide_dir, dtype="bf16", block_size=4, cpu_kernels=kernels)
         modules = runner.model.matmul_modules()
-        packed = [m.packed is not None for m in modules]
-        assert all(packed) if kernels == "auto" and onednn_bf16 else not any(packed)
-        if kernels == "auto" and onednn_bf16:
-            # Column/row linears drop the plain copy; the tied-or-not LM head keeps it for lookups.
-            assert all(m.weight.numel() == 0 for m in modules[:-1])
+        if kernels == "auto":
+            assert runner.matmul_weights == f"onednn-{str(pack_dtype).removeprefix('torch.')}"
+            assert all(m.packed is not None and m.packed.dtype == pack_dtype for m in modules)
+            # Packed in bf16, column/row linears drop the plain copy; packed in fp32 they keep it for one-row
+            # matmuls. The tied-or-not LM head keeps it for lookups.
+            dropped = pack_dtype == torch.bfloat16
+            assert all((m.weight.numel() == 0) == dropped for m in modules[:-1])
+        else:
+            assert runner.matmul_weights == "plain"
+            assert all(m.packed is None for m in modules)
         driver = Driver(runner, chunk=5)
         reqs = [driver.add(Req(f"r{i}", p, 6)) for i, p in enumerate(PROMPTS)]
         driver.run()
@@ -495,5 +500,5 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
 
 
 def test_fp32_linears_stay_unpacked(llama_runner: ModelRunner) -> None:
-    assert not llama_runner.platform.packs_weights(torch.float32)
+    assert llama_runner.platform.matmul_pack_dtype(torch.float32) is None
     assert all(m.packed is None for m in llama_runner.model.matmul_modules())
