@@ -35,13 +35,16 @@ def test_one_row_bf16_matmul_agrees_with_onednn() -> None:
         torch.testing.assert_close(out, reference, rtol=2**-8, atol=1e-2)
 
 
-@pytest.mark.parametrize(("supported", "packed_as"), [(True, torch.bfloat16), (False, torch.float32)])
-def test_bf16_weights_pack_in_bf16_where_onednn_runs_it_else_in_fp32(
-    monkeypatch: pytest.MonkeyPatch, supported: bool, packed_as: torch.dtype
+@pytest.mark.parametrize(
+    ("dtype", "probe"), [(torch.bfloat16, "_is_mkldnn_bf16_supported"), (torch.float16, "_is_mkldnn_fp16_supported")]
+)
+@pytest.mark.parametrize("supported", [True, False])
+def test_half_weights_pack_in_their_dtype_where_onednn_runs_it_else_in_fp32(
+    monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, probe: str, supported: bool
 ) -> None:
-    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: supported)
-    assert CpuPlatform().matmul_pack_dtype(torch.bfloat16) == packed_as
-    assert CpuPlatform(kernels="reference").matmul_pack_dtype(torch.bfloat16) is None
+    monkeypatch.setattr(torch.ops.mkldnn, probe, lambda: supported)
+    assert CpuPlatform().matmul_pack_dtype(dtype) == (dtype if supported else torch.float32)
+    assert CpuPlatform(kernels="reference").matmul_pack_dtype(dtype) is None
     assert CpuPlatform().matmul_pack_dtype(torch.float32) is None
 
 
