@@ -137,12 +137,17 @@ class ModelRunner:
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
-        self.matmul_weights = "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
             batch_hint = min(self.config.max_num_seqs, 64)
             pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
         return model.eval()
+
+    @property
+    def matmul_weights(self) -> str:
+        """How the linears hold their matmul weights: "plain", or packed for oneDNN ("onednn-<dtype>")."""
+        pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
+        return "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
         """Profile the largest step, then turn the memory budget into a block count all ranks share."""
