@@ -338,10 +338,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         for name in ("block_size", "num_blocks", "max_model_len", "vocab_size"):
             if getattr(hello, name) <= 0:
                 raise InvalidField(name, "must be > 0")
-        fingerprints = {w.hello.model_fingerprint for w in self.workers.values()}
-        if fingerprints and hello.model_fingerprint not in fingerprints:
+        identities = {w.hello.model_identity for w in self.workers.values()}
+        if identities and hello.model_identity not in identities:
             raise InvalidField(
-                "model_fingerprint",
+                "model_identity",
                 "differs from the attached workers' model; run one model per scheduler",
             )
 

@@ -28,6 +28,7 @@ from services.worker.weights import (
     iter_weights,
     load_hf_config,
     model_fingerprint,
+    model_identity,
     resolve_model_path,
 )
 
@@ -80,6 +81,7 @@ class ModelRunner:
         self.max_model_len: int = max_model_len
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = source.name
+        self.model_identity: str = model_identity(source)
         self.fingerprint: str = model_fingerprint(
             source,
             kv_dtype=self.precision.name,

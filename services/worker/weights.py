@@ -76,6 +76,25 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, handle.get_tensor(key)
 
 
+def _identity_fields(source: ModelSource) -> dict[str, Any]:
+    config_path = source.directory / "config.json"
+    config_text = config_path.read_text() if source.gguf_file is None and config_path.is_file() else ""
+    return {"config": config_text, "weights": [[f.name, f.stat().st_size] for f in source.weight_files()]}
+
+
+def _digest(fields: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def model_identity(source: ModelSource) -> str:
+    """sha256 over config.json's content and the weight files' names and sizes: which weights a worker serves.
+
+    Independent of device, precision, TP size and block size, so a CPU worker and an NPU worker of the
+    same model may serve one scheduler's requests.
+    """
+    return _digest(_identity_fields(source))
+
+
 def model_fingerprint(
     source: ModelSource,
     *,
@@ -90,16 +109,12 @@ def model_fingerprint(
     Identity is config.json's content (when present) plus weight file names and sizes, so two
     workers loading the same files produce interchangeable KV blocks.
     """
-    config_path = source.directory / "config.json"
-    config_text = config_path.read_text() if source.gguf_file is None and config_path.is_file() else ""
     identity = {
-        "config": config_text,
-        "weights": [[f.name, f.stat().st_size] for f in source.weight_files()],
+        **_identity_fields(source),
         "kv_dtype": kv_dtype,
         "block_size": block_size,
         "layout": f"{layout}-paged",
         "tp_size": tp_size,
         "rank": rank,
     }
-    blob = json.dumps(identity, sort_keys=True, separators=(",", ":")).encode()
-    return hashlib.sha256(blob).hexdigest()
+    return _digest(identity)

@@ -106,8 +106,9 @@ class GenerateRequest(_message.Message):
     prompt: _builtins.str
     """Plain text, tokenized as is (with the tokenizer's BOS when it adds one)."""
     request_id: _builtins.str
-    """Optional client-chosen id, echoed back and used in logs; the gateway
-    makes one (also from the x-request-id metadata) when empty.
+    """Optional client-chosen id for logs and tracing: at most 128 characters
+    from [A-Za-z0-9._:-]. Not a uniqueness key: two clients may send the
+    same id. Empty: the x-request-id metadata, else one the gateway makes.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -184,7 +185,9 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """The request's id."""
+    """The request's id (the client's, or the one the gateway made); set on the
+    first message of the stream only.
+    """
     text: _builtins.str
     """New text since the previous message. May be empty when the tokens so far
     end in an incomplete multi-byte character or may start a stop string.

@@ -29,7 +29,9 @@ if _version_not_supported:
 class GenerationStub:
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     def __init__(self, channel):
@@ -53,7 +55,9 @@ class GenerationStub:
 class GenerationServicer:
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     def Generate(self, request, context):
@@ -95,7 +99,9 @@ def add_GenerationServicer_to_server(servicer, server):
 class Generation:
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     @staticmethod

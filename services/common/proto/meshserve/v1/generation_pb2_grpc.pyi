@@ -30,7 +30,9 @@ GRPC_VERSION: str
 class GenerationStub:
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     @_typing.overload
@@ -48,7 +50,9 @@ class GenerationStub:
 class GenerationAsyncStub(GenerationStub):
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -62,7 +66,9 @@ class GenerationAsyncStub(GenerationStub):
 class GenerationServicer(metaclass=_abc_1.ABCMeta):
     """Text generation. Errors use canonical gRPC codes: INVALID_ARGUMENT with a
     google.rpc.BadRequest naming the field, UNAVAILABLE while draining or with no
-    worker attached, RESOURCE_EXHAUSTED when the queue is full.
+    worker attached, RESOURCE_EXHAUSTED (with google.rpc.RetryInfo) when the
+    queue or the gateway's request cap is full, DEADLINE_EXCEEDED when the
+    call's deadline passes (the request is aborted everywhere).
     """
 
     @_abc_1.abstractmethod

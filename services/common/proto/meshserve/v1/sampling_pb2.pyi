@@ -89,13 +89,14 @@ class SamplingParams(_message.Message):
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that end the request when they appear in the output; the match
-        and anything after it are cut from the returned text.
+        and anything after it are cut from the returned text. At most 16, each
+        at most 256 characters.
         """
 
     @_builtins.property
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the request when sampled (returned in token_ids, and
-        their text is not added to the output).
+        their text is not added to the output). At most 64.
         """
 
     def __init__(

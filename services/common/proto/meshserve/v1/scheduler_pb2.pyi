@@ -10,6 +10,7 @@ from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from services.common.proto.meshserve.v1 import sampling_pb2 as _sampling_pb2
 import builtins as _builtins
 import sys
@@ -22,6 +23,40 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _StopKind:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _StopKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_StopKind.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    STOP_KIND_UNSPECIFIED: _StopKind.ValueType  # 0
+    """Still running (non-final events)."""
+    STOP_KIND_EOS: _StopKind.ValueType  # 1
+    """The last token is one of eos_token_ids (and ignore_eos was not set)."""
+    STOP_KIND_STOP_TOKEN: _StopKind.ValueType  # 2
+    """The last token is one of sampling.stop_token_ids (stop_token_id says which)."""
+    STOP_KIND_LENGTH: _StopKind.ValueType  # 3
+    """max_tokens (or the room left under max_model_len) was reached."""
+    STOP_KIND_ABORT: _StopKind.ValueType  # 4
+    """The request was aborted."""
+
+class StopKind(_StopKind, metaclass=_StopKindEnumTypeWrapper):
+    """Why a request stopped, as the scheduler decided it; the gateway only trims
+    text by it.
+    """
+
+STOP_KIND_UNSPECIFIED: StopKind.ValueType  # 0
+"""Still running (non-final events)."""
+STOP_KIND_EOS: StopKind.ValueType  # 1
+"""The last token is one of eos_token_ids (and ignore_eos was not set)."""
+STOP_KIND_STOP_TOKEN: StopKind.ValueType  # 2
+"""The last token is one of sampling.stop_token_ids (stop_token_id says which)."""
+STOP_KIND_LENGTH: StopKind.ValueType  # 3
+"""max_tokens (or the room left under max_model_len) was reached."""
+STOP_KIND_ABORT: StopKind.ValueType  # 4
+"""The request was aborted."""
+Global___StopKind: _TypeAlias = StopKind  # noqa: Y015
+
 @_typing.final
 class SubmitRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -30,8 +65,15 @@ class SubmitRequest(_message.Message):
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id, chosen by the gateway."""
+    timeout_seconds: _builtins.float
+    """Seconds left before the caller's deadline when this was sent (relative,
+    so clocks need not agree). Unset: no deadline. The scheduler refuses a
+    request whose time is already up and ends one that runs out with
+    DEADLINE_EXCEEDED, freeing its KV blocks.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The prompt, already tokenized. Non-empty; ids in [0, vocab_size)."""
@@ -43,7 +85,7 @@ class SubmitRequest(_message.Message):
     @_builtins.property
     def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """The model's end-of-sequence ids; sampling one ends the request unless
-        sampling.ignore_eos is set.
+        sampling.ignore_eos is set. At most 64.
         """
 
     def __init__(
@@ -53,12 +95,15 @@ class SubmitRequest(_message.Message):
         prompt_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        timeout_seconds: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds", "sampling", b"sampling", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["eos_token_ids", b"eos_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds", "eos_token_ids", b"eos_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__timeout_seconds: _TypeAlias = _typing.Literal["timeout_seconds"]  # noqa: Y015
+    _WhichOneofArgType__timeout_seconds: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__timeout_seconds) -> _WhichOneofReturnType__timeout_seconds | None: ...
 
 Global___SubmitRequest: _TypeAlias = SubmitRequest  # noqa: Y015
 
@@ -73,12 +118,15 @@ class TokenEvent(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
+    STOP_KIND_FIELD_NUMBER: _builtins.int
     finish_reason: _sampling_pb2.FinishReason.ValueType
     """Set on the final event only."""
     num_cached_tokens: _builtins.int
     """Prompt tokens served from the prefix cache (set on the first event)."""
     stop_token_id: _builtins.int
     """Set with finish_reason STOP when a stop token id (not EOS) matched."""
+    stop_kind: Global___StopKind.ValueType
+    """Set on the final event: which rule ended the request."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """New token ids, in order."""
@@ -95,10 +143,11 @@ class TokenEvent(_message.Message):
         finish_reason: _sampling_pb2.FinishReason.ValueType = ...,
         num_cached_tokens: _builtins.int = ...,
         stop_token_id: _builtins.int | None = ...,
+        stop_kind: Global___StopKind.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "stop_kind", b"stop_kind", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015
@@ -152,6 +201,7 @@ class RequestError(_message.Message):
     MESSAGE_FIELD_NUMBER: _builtins.int
     FIELD_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
+    RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """The canonical gRPC status code (google.rpc.Code), e.g. 3 INVALID_ARGUMENT,
     6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE.
@@ -164,6 +214,10 @@ class RequestError(_message.Message):
     """
     description: _builtins.str
     """For INVALID_ARGUMENT, what is wrong with that field."""
+    retry_after_seconds: _builtins.float
+    """For RESOURCE_EXHAUSTED and UNAVAILABLE: seconds the caller should wait
+    before retrying (passed on as google.rpc.RetryInfo); 0 gives no advice.
+    """
     def __init__(
         self,
         *,
@@ -171,10 +225,11 @@ class RequestError(_message.Message):
         message: _builtins.str = ...,
         field: _builtins.str = ...,
         description: _builtins.str = ...,
+        retry_after_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "description", b"description", "field", b"field", "message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "description", b"description", "field", b"field", "message", b"message", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -309,6 +364,12 @@ class WorkerPoolStats(_message.Message):
     NUM_FREE_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _builtins.int
     NUM_RUNNING_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    NUM_WAITING_FIELD_NUMBER: _builtins.int
+    NUM_ROUTED_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
+    NUM_STEPS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker's id from its hello."""
     num_blocks: _builtins.int
@@ -319,6 +380,18 @@ class WorkerPoolStats(_message.Message):
     """Free blocks still holding a reusable prefix."""
     num_running: _builtins.int
     """Requests running on this worker."""
+    state: _builtins.str
+    """ATTACHING, READY, DRAINING or LOST (lost workers stay listed briefly)."""
+    num_waiting: _builtins.int
+    """Requests routed to this worker and waiting in its own queue."""
+    num_routed: _builtins.int
+    """Requests the router placed on this worker since it attached."""
+    prefix_cache_queries: _builtins.int
+    """Prompt tokens this worker looked up in its prefix cache."""
+    prefix_cache_hits: _builtins.int
+    """Of those, tokens found."""
+    num_steps: _builtins.int
+    """Steps this worker executed."""
     def __init__(
         self,
         *,
@@ -327,10 +400,16 @@ class WorkerPoolStats(_message.Message):
         num_free_blocks: _builtins.int = ...,
         num_cached_blocks: _builtins.int = ...,
         num_running: _builtins.int = ...,
+        state: _builtins.str = ...,
+        num_waiting: _builtins.int = ...,
+        num_routed: _builtins.int = ...,
+        prefix_cache_queries: _builtins.int = ...,
+        prefix_cache_hits: _builtins.int = ...,
+        num_steps: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_running", b"num_running", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_routed", b"num_routed", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -350,6 +429,8 @@ class SchedulerStats(_message.Message):
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     NUM_FINISHED_FIELD_NUMBER: _builtins.int
+    NUM_WORKERS_LOST_FIELD_NUMBER: _builtins.int
+    NUM_REQUEUED_FIELD_NUMBER: _builtins.int
     num_waiting: _builtins.int
     """Requests waiting to be admitted."""
     num_running: _builtins.int
@@ -368,6 +449,10 @@ class SchedulerStats(_message.Message):
     """Of those, tokens found."""
     num_finished: _builtins.int
     """Requests finished since start."""
+    num_workers_lost: _builtins.int
+    """Workers lost (stream broken, heartbeat or step timeout) since start."""
+    num_requeued: _builtins.int
+    """Requests moved to another worker after their worker was lost."""
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerPoolStats]:
         """One entry per attached worker."""
@@ -385,11 +470,81 @@ class SchedulerStats(_message.Message):
         prefix_cache_hits: _builtins.int = ...,
         workers: _abc.Iterable[Global___WorkerPoolStats] | None = ...,
         num_finished: _builtins.int = ...,
+        num_workers_lost: _builtins.int = ...,
+        num_requeued: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "num_finished", b"num_finished", "num_mixed_steps", b"num_mixed_steps", "num_preemptions", b"num_preemptions", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "num_finished", b"num_finished", "num_mixed_steps", b"num_mixed_steps", "num_preemptions", b"num_preemptions", "num_requeued", b"num_requeued", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "num_workers_lost", b"num_workers_lost", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SchedulerStats: _TypeAlias = SchedulerStats  # noqa: Y015
+
+@_typing.final
+class GetModelInfoRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetModelInfoRequest: _TypeAlias = GetModelInfoRequest  # noqa: Y015
+
+@_typing.final
+class ModelInfo(_message.Message):
+    """The model the scheduler's workers serve, and whether it can serve now."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
+    MAX_MODEL_LEN_FIELD_NUMBER: _builtins.int
+    VOCAB_SIZE_FIELD_NUMBER: _builtins.int
+    NUM_READY_WORKERS_FIELD_NUMBER: _builtins.int
+    ACCEPTING_FIELD_NUMBER: _builtins.int
+    NUM_REQUESTS_FIELD_NUMBER: _builtins.int
+    model_name: _builtins.str
+    """Served model name, as the workers reported it; empty before any worker
+    attached.
+    """
+    model_identity: _builtins.str
+    """Identity of the weights (WorkerHello.model_identity)."""
+    max_model_len: _builtins.int
+    """Longest prompt + output a request may have: the smallest of the
+    scheduler's --max-model-len and every ready worker's limit; 0 while no
+    worker has attached yet.
+    """
+    vocab_size: _builtins.int
+    """Vocabulary size; token ids must be below it. 0 while unknown."""
+    num_ready_workers: _builtins.int
+    """Workers that take new requests now. 0: new requests get UNAVAILABLE."""
+    accepting: _builtins.bool
+    """False while the scheduler itself drains."""
+    num_requests: _builtins.int
+    """Requests waiting or running: the load a gateway compares when it
+    spreads submissions over several schedulers.
+    """
+    def __init__(
+        self,
+        *,
+        model_name: _builtins.str = ...,
+        model_identity: _builtins.str = ...,
+        max_model_len: _builtins.int = ...,
+        vocab_size: _builtins.int = ...,
+        num_ready_workers: _builtins.int = ...,
+        accepting: _builtins.bool = ...,
+        num_requests: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepting", b"accepting", "max_model_len", b"max_model_len", "model_identity", b"model_identity", "model_name", b"model_name", "num_ready_workers", b"num_ready_workers", "num_requests", b"num_requests", "vocab_size", b"vocab_size"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015

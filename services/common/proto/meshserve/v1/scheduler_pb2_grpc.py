@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=meshserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
                 _registered_method=True)
+        self.GetModelInfo = channel.unary_unary(
+                '/meshserve.v1.Scheduler/GetModelInfo',
+                request_serializer=meshserve_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
+                response_deserializer=meshserve_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -109,6 +114,14 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetModelInfo(self, request, context):
+        """What the attached workers serve and whether requests can run now: the
+        gateway takes its limits from here and polls it for its own health.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -136,6 +149,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.FromString,
                     response_serializer=meshserve_dot_v1_dot_scheduler__pb2.SchedulerStats.SerializeToString,
+            ),
+            'GetModelInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetModelInfo,
+                    request_deserializer=meshserve_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.FromString,
+                    response_serializer=meshserve_dot_v1_dot_scheduler__pb2.ModelInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -273,6 +291,33 @@ class Scheduler:
             '/meshserve.v1.Scheduler/GetStats',
             meshserve_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
             meshserve_dot_v1_dot_scheduler__pb2.SchedulerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetModelInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/meshserve.v1.Scheduler/GetModelInfo',
+            meshserve_dot_v1_dot_scheduler__pb2.GetModelInfoRequest.SerializeToString,
+            meshserve_dot_v1_dot_scheduler__pb2.ModelInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -56,6 +56,10 @@ class SchedulerStub:
     """
     GetStats: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]
     """Counters and block-pool state, for operators and tests."""
+    GetModelInfo: _grpc.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]
+    """What the attached workers serve and whether requests can run now: the
+    gateway takes its limits from here and polls it for its own health.
+    """
 
 @_typing.type_check_only
 class SchedulerAsyncStub(SchedulerStub):
@@ -81,6 +85,10 @@ class SchedulerAsyncStub(SchedulerStub):
     """
     GetStats: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetStatsRequest, _scheduler_pb2.SchedulerStats]  # type: ignore[assignment]
     """Counters and block-pool state, for operators and tests."""
+    GetModelInfo: _aio.UnaryUnaryMultiCallable[_scheduler_pb2.GetModelInfoRequest, _scheduler_pb2.ModelInfo]  # type: ignore[assignment]
+    """What the attached workers serve and whether requests can run now: the
+    gateway takes its limits from here and polls it for its own health.
+    """
 
 class SchedulerServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -133,5 +141,15 @@ class SchedulerServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_scheduler_pb2.SchedulerStats, _abc.Awaitable[_scheduler_pb2.SchedulerStats]]:
         """Counters and block-pool state, for operators and tests."""
+
+    @_abc_1.abstractmethod
+    def GetModelInfo(
+        self,
+        request: _scheduler_pb2.GetModelInfoRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_scheduler_pb2.ModelInfo, _abc.Awaitable[_scheduler_pb2.ModelInfo]]:
+        """What the attached workers serve and whether requests can run now: the
+        gateway takes its limits from here and polls it for its own health.
+        """
 
 def add_SchedulerServicer_to_server(servicer: SchedulerServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -32,6 +32,7 @@ class WorkerMessage(_message.Message):
     HELLO_FIELD_NUMBER: _builtins.int
     RESULT_FIELD_NUMBER: _builtins.int
     DRAIN_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def hello(self) -> Global___WorkerHello:
         """First message on the stream, exactly once."""
@@ -46,22 +47,59 @@ class WorkerMessage(_message.Message):
         requests finish, then end the stream.
         """
 
+    @_builtins.property
+    def heartbeat(self) -> Global___Heartbeat:
+        """Sent every AttachAccepted.heartbeat_interval_seconds from the worker's
+        event loop (never from the model thread), so the scheduler can tell a
+        dead or frozen worker from a busy one.
+        """
+
     def __init__(
         self,
         *,
         hello: Global___WorkerHello | None = ...,
         result: Global___StepResult | None = ...,
         drain: Global___Drain | None = ...,
+        heartbeat: Global___Heartbeat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["drain", b"drain", "heartbeat", b"heartbeat", "hello", b"hello", "kind", b"kind", "result", b"result"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "result", "drain"]  # noqa: Y015
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["hello", "result", "drain", "heartbeat"]  # noqa: Y015
     _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
 
 Global___WorkerMessage: _TypeAlias = WorkerMessage  # noqa: Y015
+
+@_typing.final
+class Heartbeat(_message.Message):
+    """"I am alive", with how busy the model thread is."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NUM_PENDING_STEPS_FIELD_NUMBER: _builtins.int
+    RUNNING_STEP_SECONDS_FIELD_NUMBER: _builtins.int
+    num_pending_steps: _builtins.int
+    """Steps received and not yet answered."""
+    running_step_seconds: _builtins.float
+    """Seconds the step now running on the model thread has taken so far (0
+    when none runs). The scheduler's own step timeout decides; this is for
+    its logs.
+    """
+    def __init__(
+        self,
+        *,
+        num_pending_steps: _builtins.int = ...,
+        running_step_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_pending_steps", b"num_pending_steps", "running_step_seconds", b"running_step_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Heartbeat: _TypeAlias = Heartbeat  # noqa: Y015
 
 @_typing.final
 class Drain(_message.Message):
@@ -126,7 +164,7 @@ class WorkerHello(_message.Message):
     WORKER_ID_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
-    MODEL_FINGERPRINT_FIELD_NUMBER: _builtins.int
+    KV_FORMAT_FIELD_NUMBER: _builtins.int
     MODEL_NAME_FIELD_NUMBER: _builtins.int
     BLOCK_SIZE_FIELD_NUMBER: _builtins.int
     NUM_BLOCKS_FIELD_NUMBER: _builtins.int
@@ -135,15 +173,16 @@ class WorkerHello(_message.Message):
     HEALTH_ADDRESS_FIELD_NUMBER: _builtins.int
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
+    MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique per worker process (host:pid:port by default)."""
     device: _builtins.str
     """Device type: "cpu", "cuda" or "npu"."""
     tensor_parallel_size: _builtins.int
     """Tensor-parallel ranks in this worker's group."""
-    model_fingerprint: _builtins.str
-    """Identity of the model, KV dtype, block size and layout; workers with the
-    same fingerprint produce interchangeable KV blocks.
+    kv_format: _builtins.str
+    """KV format: the model identity plus KV dtype and block size. Workers with
+    the same kv_format produce interchangeable KV blocks.
     """
     model_name: _builtins.str
     """Human-readable model name (directory name or served name)."""
@@ -161,13 +200,18 @@ class WorkerHello(_message.Message):
     """Most requests the worker runs in one step; the scheduler plans within it."""
     max_num_batched_tokens: _builtins.int
     """Most tokens the worker computes in one step; the scheduler plans within it."""
+    model_identity: _builtins.str
+    """Which weights the worker serves (config and weight files). Every worker
+    of one scheduler must have the same identity, whatever its device, TP
+    size or block size; it decides which workers may serve a request.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
         device: _builtins.str = ...,
         tensor_parallel_size: _builtins.int = ...,
-        model_fingerprint: _builtins.str = ...,
+        kv_format: _builtins.str = ...,
         model_name: _builtins.str = ...,
         block_size: _builtins.int = ...,
         num_blocks: _builtins.int = ...,
@@ -176,10 +220,11 @@ class WorkerHello(_message.Message):
         health_address: _builtins.str = ...,
         max_num_seqs: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
+        model_identity: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_fingerprint", b"model_fingerprint", "model_name", b"model_name", "num_blocks", b"num_blocks", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "kv_format", b"kv_format", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_identity", b"model_identity", "model_name", b"model_name", "num_blocks", b"num_blocks", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -190,16 +235,22 @@ class AttachAccepted(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     WORKER_ID_FIELD_NUMBER: _builtins.int
+    HEARTBEAT_INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The id the scheduler registered the worker under."""
+    heartbeat_interval_seconds: _builtins.float
+    """How often the worker must send a Heartbeat. A worker that sends nothing
+    for the scheduler's --worker-heartbeat-timeout is treated as lost.
+    """
     def __init__(
         self,
         *,
         worker_id: _builtins.str = ...,
+        heartbeat_interval_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["heartbeat_interval_seconds", b"heartbeat_interval_seconds", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
