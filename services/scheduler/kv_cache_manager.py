@@ -74,11 +74,6 @@ class KVCacheManager:
         self._cache_blocks(request, min(total, request.num_tokens))
         return [b.block_id for b in new_blocks]
 
-    def cache_blocks(self, request: Request, num_tokens: int) -> None:
-        """Index the request's blocks that are full within its first num_tokens known tokens."""
-        if request.request_id in self._blocks:
-            self._cache_blocks(request, min(num_tokens, request.num_tokens))
-
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:
             return
@@ -104,9 +99,6 @@ class KVCacheManager:
 
     def block_ids(self, request: Request) -> list[int]:
         return [b.block_id for b in self._blocks.get(request.request_id, [])]
-
-    def has_request(self, request_id: str) -> bool:
-        return request_id in self._blocks
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a sequence of num_tokens tokens fits in the whole pool."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.scheduler.request import Request
+
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
@@ -55,9 +57,49 @@ class SchedulerMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
+        self.routed = Counter(
+            "meshserve:worker_requests_routed", "Requests the router placed on a worker", ["worker"], registry=registry
+        )
+        self.worker_prefix_cache_queries = Counter(
+            "meshserve:worker_prefix_cache_queries",
+            "Prompt tokens looked up in one worker's prefix cache",
+            ["worker"],
+            registry=registry,
+        )
+        self.worker_prefix_cache_hits = Counter(
+            "meshserve:worker_prefix_cache_hits",
+            "Prompt tokens found in one worker's prefix cache",
+            ["worker"],
+            registry=registry,
+        )
+        self.workers_lost = Counter(
+            "meshserve:workers_lost", "Workers lost (stream broken, heartbeat or step timeout)", ["reason"],
+            registry=registry,
+        )  # fmt: skip
+        self.requests_requeued = Counter(
+            "meshserve:requests_requeued", "Requests moved to another worker after theirs was lost", registry=registry
+        )
         self.step_seconds = Histogram(
             "meshserve:step_duration_seconds",
             "Worker execute time of one step",
             buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
             registry=registry,
         )
+
+
+class WorkerMetrics:
+    """The planner's events of one worker, counted as they happen (a PlannerListener)."""
+
+    def __init__(self, metrics: SchedulerMetrics, worker_id: str) -> None:
+        self._metrics = metrics
+        self._queries = metrics.worker_prefix_cache_queries.labels(worker=worker_id)
+        self._hits = metrics.worker_prefix_cache_hits.labels(worker=worker_id)
+
+    def preempted(self, request: Request) -> None:
+        self._metrics.num_preemptions.inc()
+
+    def prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self._metrics.prefix_cache_queries.inc(num_tokens)
+        self._metrics.prefix_cache_hits.inc(num_hit_tokens)
+        self._queries.inc(num_tokens)
+        self._hits.inc(num_hit_tokens)

@@ -6,7 +6,7 @@ import enum
 import time
 from collections.abc import Sequence
 
-from services.common.proto.meshserve.v1 import sampling_pb2
+from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
 from services.scheduler.block_hash import hash_block_tokens
 
 
@@ -48,6 +48,7 @@ class Request:
         eos_token_ids: Sequence[int],
         max_tokens: int,
         arrival_time: float | None = None,
+        deadline: float | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -60,6 +61,8 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(sampling.stop_token_ids)
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # time.monotonic() by which the caller gives up (its gRPC deadline); None: no deadline.
+        self.deadline = deadline
         self.output_token_ids: list[int] = []
         self.output_logprobs: list[float] = []
         # Tokens whose KV is in (or, for steps in flight, being written to) this request's blocks.
@@ -71,8 +74,10 @@ class Request:
         self.status = RequestStatus.WAITING
         self.num_preemptions = 0
         self.stop_token_id: int | None = None
-        self.block_hashes: list[bytes] = []
-        self._block_hashes_size = 0
+        # Which rule finished the request (set with a finished status).
+        self.stop_kind: scheduler_pb2.StopKind.ValueType = scheduler_pb2.STOP_KIND_UNSPECIFIED
+        # Hash chains of full blocks, per block size: workers of one scheduler may use different sizes.
+        self._block_hashes: dict[int, list[bytes]] = {}
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -111,27 +116,31 @@ class Request:
 
     def get_block_hashes(self, block_size: int) -> list[bytes]:
         """Hash chain of every full block of all_token_ids, extended incrementally."""
-        if block_size != self._block_hashes_size:
-            self.block_hashes = []
-            self._block_hashes_size = block_size
+        hashes = self._block_hashes.setdefault(block_size, [])
         num_full = self.num_tokens // block_size
-        parent = self.block_hashes[-1] if self.block_hashes else None
-        for i in range(len(self.block_hashes), num_full):
+        parent = hashes[-1] if hashes else None
+        for i in range(len(hashes), num_full):
             parent = hash_block_tokens(parent, self.token_ids_range(i * block_size, (i + 1) * block_size))
-            self.block_hashes.append(parent)
-        return self.block_hashes
+            hashes.append(parent)
+        return hashes
 
 
 def check_stop(request: Request) -> RequestStatus | None:
-    """The finish status the last appended token causes, or None; records stop_token_id."""
+    """The finish status the last appended token causes, or None; records stop_kind and stop_token_id.
+
+    The only place a request's stop is decided: the gateway trims text by the stop kind it is sent.
+    """
     if not request.output_token_ids:
         return None
     last = request.output_token_ids[-1]
     if not request.sampling.ignore_eos and last in request.eos_token_ids:
+        request.stop_kind = scheduler_pb2.STOP_KIND_EOS
         return RequestStatus.FINISHED_STOPPED
     if last in request.stop_token_ids:
         request.stop_token_id = last
+        request.stop_kind = scheduler_pb2.STOP_KIND_STOP_TOKEN
         return RequestStatus.FINISHED_STOPPED
     if len(request.output_token_ids) >= request.max_tokens:
+        request.stop_kind = scheduler_pb2.STOP_KIND_LENGTH
         return RequestStatus.FINISHED_LENGTH
     return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from services.common.settings import ServiceSettings
@@ -23,5 +25,21 @@ class SchedulerSettings(ServiceSettings):
         True, description="send each worker its next step before the current one answers (hides the round trip)"
     )
     max_waiting_requests: int = Field(
-        4096, description="queued requests before Submit answers RESOURCE_EXHAUSTED", ge=1
+        4096, description="queued requests (all workers) before submissions get RESOURCE_EXHAUSTED", ge=1
     )
+    routing: Literal["kv", "round-robin", "least-loaded"] = Field(
+        "kv", description="which worker a request goes to: kv (cached prefix + load), round-robin, least-loaded"
+    )
+    worker_heartbeat_interval: float = Field(
+        1.0, description="seconds between a worker's heartbeats (told to each worker when it attaches)", gt=0
+    )
+    worker_heartbeat_timeout: float = Field(
+        10.0, description="a worker silent this long is lost; its requests move to other workers", gt=0
+    )
+    step_timeout: float = Field(
+        120.0, description="a worker whose step is unanswered this long is stuck, and treated as lost", gt=0
+    )
+    worker_wait_timeout: float = Field(
+        30.0, description="how long requests of a lost last worker wait for a worker to (re)attach", ge=0
+    )
+    retry_after: float = Field(1.0, description="seconds a refused caller is told to wait (google.rpc.RetryInfo)", ge=0)

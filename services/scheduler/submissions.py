@@ -23,6 +23,8 @@ class Failure:
     message: str
     field: str = ""
     description: str = ""
+    # For RESOURCE_EXHAUSTED / UNAVAILABLE: when to retry (the caller's google.rpc.RetryInfo).
+    retry_after: float = 0.0
 
     @classmethod
     def invalid(cls, err: InvalidField) -> Failure:
@@ -34,7 +36,11 @@ class Failure:
 
     def to_proto(self) -> scheduler_pb2.RequestError:
         return scheduler_pb2.RequestError(
-            code=self.code.value[0], message=self.message, field=self.field, description=self.description
+            code=self.code.value[0],
+            message=self.message,
+            field=self.field,
+            description=self.description,
+            retry_after_seconds=self.retry_after,
         )
 
 

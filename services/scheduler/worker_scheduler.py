@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from services.common.proto.meshserve.v1 import worker_pb2
+from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, check_stop
@@ -24,20 +25,6 @@ class RequestOutput:
 
 
 @dataclass
-class StepInfo:
-    """Shape of the last planned step."""
-
-    step_id: int
-    batch_size: int
-    num_prefill_tokens: int
-    num_decode_tokens: int
-
-    @property
-    def is_mixed(self) -> bool:
-        return self.num_prefill_tokens > 0 and self.num_decode_tokens > 0
-
-
-@dataclass
 class WorkerSchedulerStats:
     """Counters and pool state of one worker's scheduler."""
 
@@ -51,7 +38,6 @@ class WorkerSchedulerStats:
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
-    num_finished: int = 0
     kv_cache_usage: float = 0.0
 
 
@@ -63,8 +49,21 @@ class _Planned:
     new_block_ids: list[int] = field(default_factory=list)
 
 
+class PlannerListener(Protocol):
+    """Told of planning events as they happen, so counters move with the events (no diffing of totals)."""
+
+    def preempted(self, request: Request) -> None: ...
+
+    def prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None: ...
+
+
 class WorkerScheduler:
-    """Plans steps for one worker: running requests first, then admissions from the shared queue."""
+    """Plans steps for one worker: running requests first, then admissions from the worker's own queue.
+
+    Async scheduling's bookkeeping has two homes only: _commit books what a planned step will compute
+    (and the token it will sample, `num_pending_samples`); _reset_progress forgets it when a request
+    leaves the worker (preemption, or the worker being lost). update() consumes the pending sample.
+    """
 
     def __init__(
         self,
@@ -76,6 +75,7 @@ class WorkerScheduler:
         max_model_len: int,
         enable_prefix_caching: bool,
         waiting: WaitingQueue,
+        listener: PlannerListener | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -85,8 +85,7 @@ class WorkerScheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting = waiting
-        # False once the worker drains: running requests finish, nothing new is admitted.
-        self.accepting = True
+        self.listener = listener
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
         # Admission order: the last one is the newest and the first to be preempted.
         self.running: list[Request] = []
@@ -97,17 +96,10 @@ class WorkerScheduler:
         # Blocks indexed while planning each step in flight, by step id; un-indexed if that step fails.
         self._inflight_cached: dict[int, list[Block]] = {}
         self._next_step_id = 1
-        self.last_step: StepInfo | None = None
         self.num_steps = 0
         self.num_mixed_steps = 0
         self.max_batch_size = 0
         self.num_preemptions = 0
-        self.num_finished = 0
-
-    @property
-    def has_work(self) -> bool:
-        """Whether schedule() could return a Step without new arrivals."""
-        return bool(self.running) or bool(self._pending_removals)
 
     @property
     def num_running(self) -> int:
@@ -117,12 +109,10 @@ class WorkerScheduler:
         """Whether a request of num_tokens (prompt + max_tokens) could ever run on this worker."""
         return self.kv.can_ever_fit(num_tokens)
 
-    def get_request(self, request_id: str) -> Request | None:
-        """The running request with this id on this worker."""
-        return self._by_id.get(request_id)
-
-    def schedule(self) -> worker_pb2.Step | None:
+    def schedule(self, admit: bool = True) -> worker_pb2.Step | None:
         """Plan the next step; None when nothing runs and nothing needs removing.
+
+        admit=False (a draining worker) runs what is running and admits nothing from the queue.
 
         May be called again before the previous step's update(): progress is booked when a step is
         planned, and a token a step in flight will sample counts as pending, so the next step can compute
@@ -156,7 +146,7 @@ class WorkerScheduler:
             i += 1
 
         planned_new: list[_Planned] = []
-        if not preempted and self.accepting:
+        if not preempted and admit:
             while budget > 0 and len(self.running) < self.max_num_seqs and len(self.waiting) > 0:
                 head = self.waiting.peek()
                 assert head is not None
@@ -171,6 +161,8 @@ class WorkerScheduler:
                     break
                 self.waiting.popleft()
                 self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+                if self.listener is not None and self.kv.enable_prefix_caching:
+                    self.listener.prefix_lookup(request.num_tokens, num_hit)
                 if request.status == RequestStatus.WAITING:
                     request.num_cached_tokens = num_hit
                 request.status = RequestStatus.RUNNING
@@ -186,13 +178,26 @@ class WorkerScheduler:
         step = self._build_step(planned_running, planned_new)
         self._inflight_cached[step.step_id] = newly_cached
         self._pending_removals = []
-        for p in planned_running + planned_new:
+        self._commit(planned_running + planned_new)
+        return step
+
+    @staticmethod
+    def _commit(planned: list[_Planned]) -> None:
+        """Book a planned step's progress now, before it answers, so the next step can be planned on top."""
+        for p in planned:
             request = p.request
             request.num_computed_tokens = p.num_computed + p.num_scheduled
             if request.num_computed_tokens == request.num_tokens_with_pending:
                 # The worker samples when a step reaches the end of the tokens it knows.
                 request.num_pending_samples += 1
-        return step
+
+    @staticmethod
+    def _reset_progress(request: Request) -> None:
+        """The request leaves this worker's cache: it recomputes from scratch, and a token a step in flight
+        samples for it is dropped (recomputing samples that position again)."""
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_pending_samples = 0
 
     def _build_step(self, planned_running: list[_Planned], planned_new: list[_Planned]) -> worker_pb2.Step:
         step = worker_pb2.Step(step_id=self._next_step_id, removed_request_ids=self._pending_removals)
@@ -220,10 +225,10 @@ class WorkerScheduler:
                 )
             )
             self._on_worker.add(r.request_id)
-        self._record_step(step.step_id, planned_running + planned_new)
+        self._record_step(planned_running + planned_new)
         return step
 
-    def _record_step(self, step_id: int, planned: list[_Planned]) -> None:
+    def _record_step(self, planned: list[_Planned]) -> None:
         prefill = decode = 0
         for p in planned:
             r = p.request
@@ -232,10 +237,9 @@ class WorkerScheduler:
                 decode += p.num_scheduled
             else:
                 prefill += p.num_scheduled
-        self.last_step = StepInfo(step_id, len(planned), prefill, decode)
         if planned:
             self.num_steps += 1
-            self.num_mixed_steps += int(self.last_step.is_mixed)
+            self.num_mixed_steps += int(prefill > 0 and decode > 0)
             self.max_batch_size = max(self.max_batch_size, len(planned))
 
     def update(self, step: worker_pb2.Step, result: worker_pb2.StepResult) -> list[RequestOutput]:
@@ -291,20 +295,18 @@ class WorkerScheduler:
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
-    def drain_requests(self) -> list[Request]:
-        """The worker is gone: hand back its running requests (to recompute elsewhere) and reset."""
-        drained = self.running
-        for request in drained:
-            request.status = RequestStatus.PREEMPTED
-            request.num_computed_tokens = 0
-            request.num_pending_samples = 0
+    def release_all(self) -> list[Request]:
+        """The worker is lost: hand back its running requests (to recompute elsewhere) and reset."""
+        released = self.running
+        for request in released:
+            self._reset_progress(request)
         self.running = []
         self._by_id.clear()
         self._on_worker.clear()
         self._pending_removals = []
         self._inflight_cached = {}
         self.kv.reset()
-        return drained
+        return released
 
     def stats(self) -> WorkerSchedulerStats:
         pool = self.kv.pool
@@ -319,24 +321,24 @@ class WorkerScheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
-            num_finished=self.num_finished,
             kv_cache_usage=pool.usage,
         )
 
     def _preempt(self, request: Request) -> None:
         self._remove_running(request)
-        request.status = RequestStatus.PREEMPTED
-        request.num_computed_tokens = 0
-        # A token a step in flight samples for it is dropped; recomputing samples that position again.
-        request.num_pending_samples = 0
+        self._reset_progress(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
+        # Back to the head of this worker's own queue, where its prefix may still be cached.
         self.waiting.prepend(request)
+        if self.listener is not None:
+            self.listener.preempted(request)
 
     def _finish(self, request: Request, status: RequestStatus) -> None:
         self._remove_running(request)
         request.status = status
-        self.num_finished += 1
+        if status is RequestStatus.FINISHED_ABORTED:
+            request.stop_kind = scheduler_pb2.STOP_KIND_ABORT
 
     def _remove_running(self, request: Request) -> None:
         self.kv.free(request)

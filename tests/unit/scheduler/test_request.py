@@ -57,7 +57,7 @@ def test_block_hashes_extend_with_outputs() -> None:
     assert r.all_token_ids == [*range(6), 100, 101, 102]
     assert r.num_tokens == 9
     assert r.get_block_hashes(4) == hash_request_blocks(r.all_token_ids, 4)
-    assert len(r.block_hashes) == 2
+    assert len(r.get_block_hashes(4)) == 2
 
 
 def test_waiting_queue_order_and_remove() -> None:
@@ -72,6 +72,9 @@ def test_waiting_queue_order_and_remove() -> None:
     assert q.remove("zz") is None
     assert "b" in q
     assert q.popleft() is c
-    q.prepend_many([a, c])
-    assert [r.request_id for r in q] == ["a", "c", "b"]
-    assert len(q) == 3
+    assert q.num_tokens == 1
+    q.prepend(a)
+    assert [r.request_id for r in q] == ["a", "b"]
+    assert q.num_tokens == 2
+    assert q.take_all() == [a, b]
+    assert len(q) == 0 and q.num_tokens == 0

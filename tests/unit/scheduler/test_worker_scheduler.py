@@ -106,7 +106,6 @@ def run_to_completion(sched: WorkerScheduler, worker: FakeWorker, max_steps: int
 def test_idle_scheduler_returns_none() -> None:
     sched = make_sched()
     assert sched.schedule() is None
-    assert not sched.has_work
 
 
 def test_chunked_prefill_splits_long_prompt_within_budget() -> None:
@@ -150,8 +149,6 @@ def test_running_first_then_admission_and_mixed_step() -> None:
     assert step.scheduled[0].num_computed_tokens == 3
     assert [n.request_id for n in step.new_requests] == ["b"]
     assert step.new_requests[0].num_scheduled_tokens == 9
-    assert sched.last_step is not None and sched.last_step.is_mixed
-    assert sched.last_step.batch_size == 2
     assert sched.stats().num_mixed_steps == 1
     assert sched.stats().max_batch_size == 2
     # Next step: a decode, b continues its prefill ahead of anything new.
@@ -310,7 +307,7 @@ def test_abort_frees_blocks_and_is_removed_next_step() -> None:
     assert sched.schedule() is None
 
 
-def test_drain_requests_hands_back_running_work() -> None:
+def test_release_all_hands_back_running_work() -> None:
     waiting = WaitingQueue()
     sched = make_sched(waiting)
     worker = FakeWorker()
@@ -320,16 +317,18 @@ def test_drain_requests_hands_back_running_work() -> None:
     waiting.append(b)
     step_once(sched, worker)
     step_once(sched, worker)
-    drained = sched.drain_requests()
+    drained = sched.release_all()
     assert drained == [a, b]
     assert all(r.status is RequestStatus.PREEMPTED and r.num_computed_tokens == 0 for r in drained)
     assert all(len(r.output_token_ids) == 2 for r in drained)
-    assert sched.num_running == 0 and not sched.has_work
+    assert sched.num_running == 0
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
     assert sched.schedule() is None
     # Another worker picks them up and continues from prompt + outputs.
-    waiting.prepend_many(drained)
-    other = make_sched(waiting)
+    other_queue = WaitingQueue()
+    for r in drained:
+        other_queue.append(r)
+    other = make_sched(other_queue)
     step = other.schedule()
     assert step is not None
     assert [n.request_id for n in step.new_requests] == ["a", "b"]
@@ -370,7 +369,6 @@ def test_pool_is_fully_free_after_many_requests() -> None:
     stats = sched.stats()
     assert stats.num_free_blocks == stats.num_blocks == 12
     assert stats.num_running == 0
-    assert stats.num_finished == 10
     assert all(b.ref_cnt == 0 for b in sched.kv.pool.blocks)
     assert worker.held == {}
 
@@ -474,16 +472,16 @@ def test_failed_step_forgets_its_hashes_with_a_later_step_in_flight() -> None:
     assert list(step.removed_request_ids) == ["a"]
 
 
-def test_not_accepting_admits_nothing_but_runs_the_rest() -> None:
+def test_not_admitting_runs_the_rest() -> None:
     waiting = WaitingQueue()
     sched = make_sched(waiting)
     worker = FakeWorker()
     a = make_req("a", [1, 2, 3], max_tokens=3, ignore_eos=True)
     waiting.append(a)
     step_once(sched, worker)
-    sched.accepting = False
     waiting.append(make_req("b", [4, 5, 6]))
-    run_to_completion(sched, worker)
+    while (step := sched.schedule(admit=False)) is not None:
+        sched.update(step, worker.execute(step))
     assert a.status is RequestStatus.FINISHED_LENGTH
     assert len(waiting) == 1
 

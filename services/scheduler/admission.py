@@ -1,0 +1,85 @@
+"""Admission: a submission becomes a Request, or a typed failure. Pure: no queues, no gRPC calls.
+
+The only place max_tokens is resolved and a submission's limits are checked against what the workers
+reported; the gateway checks the same caps (sampling_checks) only to answer early.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.proto.meshserve.v1 import scheduler_pb2
+from services.common.sampling_checks import (
+    MAX_EOS_TOKEN_IDS,
+    InvalidField,
+    check_prompt_length,
+    check_sampling,
+    check_token_ids,
+    resolve_max_tokens,
+)
+from services.scheduler.request import Request
+from services.scheduler.submissions import Failure
+
+# Request ids are internal keys chosen by the gateway; a cap keeps a hostile caller's id from being copied
+# into every event and log line.
+MAX_REQUEST_ID_LENGTH = 128
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What every ready worker can do: the bounds a submission must fit."""
+
+    max_model_len: int
+    vocab_size: int
+    # Longest sequence (prompt + max_tokens) that fits in every ready worker's KV cache.
+    max_sequence_tokens: int
+
+
+def admit(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits, now: float | None = None) -> Request | Failure:
+    """Check a submission and build its Request."""
+    now = time.monotonic() if now is None else now
+    try:
+        max_tokens = _check(submit, limits)
+    except InvalidField as err:
+        return Failure.invalid(err)
+    deadline = None
+    if submit.HasField("timeout_seconds"):
+        if submit.timeout_seconds <= 0:
+            return Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed before it was queued")
+        deadline = now + submit.timeout_seconds
+    return Request(
+        submit.request_id,
+        list(submit.prompt_token_ids),
+        submit.sampling,
+        list(submit.eos_token_ids),
+        max_tokens,
+        arrival_time=now,
+        deadline=deadline,
+    )
+
+
+def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
+    """Raise InvalidField for the first bad field; returns the resolved max_tokens."""
+    if not submit.request_id:
+        raise InvalidField("request_id", "is empty; the caller must choose a unique id")
+    if len(submit.request_id) > MAX_REQUEST_ID_LENGTH:
+        raise InvalidField("request_id", f"is {len(submit.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}")
+    if len(submit.eos_token_ids) > MAX_EOS_TOKEN_IDS:
+        raise InvalidField("eos_token_ids", f"at most {MAX_EOS_TOKEN_IDS} ids; got {len(submit.eos_token_ids)}")
+    # Lengths before contents: a huge list is refused without walking it.
+    check_prompt_length(len(submit.prompt_token_ids), limits.max_model_len, "prompt_token_ids")
+    check_token_ids(submit.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
+    check_token_ids(submit.eos_token_ids, limits.vocab_size, "eos_token_ids")
+    check_sampling(submit.sampling, limits.vocab_size)
+    max_tokens = resolve_max_tokens(submit.sampling, len(submit.prompt_token_ids), limits.max_model_len)
+    total = len(submit.prompt_token_ids) + max_tokens
+    if total > limits.max_sequence_tokens:
+        raise InvalidField(
+            "sampling.max_tokens",
+            f"prompt + max_tokens = {total} tokens do not fit in a worker's KV cache; "
+            "lower max_tokens or give workers more --kv-cache-memory",
+        )
+    return max_tokens

@@ -1,0 +1,371 @@
+"""The scheduler's whole state: the worker registry, the router, every submission, requeue and timers.
+
+No gRPC here beyond status codes: the servicer hands messages in and streams what this decides out.
+Three different ways work leaves a worker, kept apart by name:
+- begin_drain: the worker is leaving (its SIGTERM); its queued requests move now, running ones finish.
+- detach(lost=...): the worker is gone or declared stuck; everything it held is requeued elsewhere.
+- shutdown: the scheduler itself stops; new work is refused, running work gets the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+
+import grpc
+import structlog
+
+from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
+from services.common.sampling_checks import InvalidField
+from services.scheduler.admission import ModelLimits, admit
+from services.scheduler.engine import WorkerLoop, WorkerState
+from services.scheduler.metrics import SchedulerMetrics, WorkerMetrics
+from services.scheduler.outputs import OutputProcessor
+from services.scheduler.request import Request
+from services.scheduler.router import RoutingPolicy, choose_worker
+from services.scheduler.settings import SchedulerSettings
+from services.scheduler.submissions import Failure, Sink, Submission
+from services.scheduler.waiting_queue import WaitingQueue
+from services.scheduler.worker_scheduler import RequestOutput
+
+log = structlog.get_logger()
+
+
+class Cluster:
+    """Workers, their queues and every request in flight."""
+
+    def __init__(
+        self,
+        settings: SchedulerSettings,
+        metrics: SchedulerMetrics,
+        on_ready_change: Callable[[bool], Awaitable[None]] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.policy = RoutingPolicy(settings.routing)
+        self.workers: dict[str, WorkerLoop] = {}
+        self.submissions: dict[str, Submission] = {}
+        # Requests of a lost worker that no other worker could take; they wait for one to attach.
+        self.parked = WaitingQueue()
+        self.outputs = OutputProcessor(metrics)
+        self.stopping = False
+        # After the shutdown grace: workers end their streams even with requests left.
+        self.closing = False
+        self.num_workers_lost = 0
+        self.num_requeued = 0
+        self._on_ready_change = on_ready_change
+        self._published_ready: bool | None = None
+        self._turn = 0
+        # Per request: when its caller's deadline passes, and (while parked) when it stops waiting for a worker.
+        self._deadline_timers: dict[str, asyncio.TimerHandle] = {}
+        self._wait_timers: dict[str, asyncio.TimerHandle] = {}
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    # ---- registry --------------------------------------------------------
+
+    def ready_workers(self) -> list[WorkerLoop]:
+        return [w for w in self.workers.values() if w.state is WorkerState.READY]
+
+    def limits(self) -> ModelLimits | None:
+        """Bounds a new request must fit: the tightest over the ready workers (None without one)."""
+        ready = self.ready_workers()
+        if not ready:
+            return None
+        return ModelLimits(
+            max_model_len=min(w.planner.max_model_len for w in ready),
+            vocab_size=min(w.hello.vocab_size for w in ready),
+            max_sequence_tokens=min(
+                min(w.planner.max_model_len, w.planner.kv.num_blocks * w.planner.block_size) for w in ready
+            ),
+        )
+
+    def check_hello(self, hello: worker_pb2.WorkerHello) -> None:
+        """Raise InvalidField (without the 'hello.' prefix) for a worker that may not attach."""
+        if not hello.worker_id:
+            raise InvalidField("worker_id", "is empty")
+        if hello.worker_id in self.workers:
+            raise InvalidField("worker_id", f"{hello.worker_id!r} is already attached; use a unique id")
+        for name in ("block_size", "num_blocks", "max_model_len", "vocab_size"):
+            if getattr(hello, name) <= 0:
+                raise InvalidField(name, "must be > 0")
+        identities = {w.hello.model_identity for w in self.workers.values()}
+        if identities and hello.model_identity not in identities:
+            raise InvalidField(
+                "model_identity", "differs from the attached workers' model; run one model per scheduler"
+            )
+
+    def attach(self, hello: worker_pb2.WorkerHello) -> WorkerLoop:
+        """Register a checked worker (ATTACHING until mark_ready)."""
+        s = self.settings
+        worker = WorkerLoop.create(
+            hello,
+            max_num_seqs=min(s.max_num_seqs, hello.max_num_seqs or s.max_num_seqs),
+            max_num_batched_tokens=min(
+                s.max_num_batched_tokens, hello.max_num_batched_tokens or s.max_num_batched_tokens
+            ),
+            max_model_len=min(hello.max_model_len, s.max_model_len or hello.max_model_len),
+            enable_prefix_caching=s.enable_prefix_caching,
+            depth=2 if s.async_scheduling else 1,
+            listener=WorkerMetrics(self.metrics, hello.worker_id),
+        )
+        self.workers[hello.worker_id] = worker
+        log.info(
+            "worker attached",
+            worker_id=hello.worker_id,
+            device=hello.device,
+            model=hello.model_name,
+            num_blocks=hello.num_blocks,
+            block_size=hello.block_size,
+        )
+        self._update_gauges()
+        return worker
+
+    def mark_ready(self, worker: WorkerLoop) -> None:
+        """The worker was told it is accepted: route to it, starting with requests that waited for a worker."""
+        if self.stopping:
+            worker.state = WorkerState.DRAINING
+            return
+        worker.state = WorkerState.READY
+        parked = self.parked.take_all()
+        for request in parked:
+            _cancel(self._wait_timers, request.request_id)
+        self._requeue(parked)
+        self._update_gauges()
+
+    def begin_drain(self, worker: WorkerLoop, reason: str) -> None:
+        """The worker is leaving: nothing new goes to it; its queued requests move to the others now."""
+        if worker.state is not WorkerState.READY:
+            return
+        log.info("worker draining", worker_id=worker.worker_id, reason=reason)
+        worker.state = WorkerState.DRAINING
+        self._requeue(worker.take_waiting())
+        worker.wake.set()
+        self._update_gauges()
+
+    def detach(self, worker: WorkerLoop, lost_reason: str | None) -> None:
+        """The worker's stream ended; with a lost_reason it did not leave cleanly. Its requests move on."""
+        self.workers.pop(worker.worker_id, None)
+        if lost_reason is not None:
+            worker.state = WorkerState.LOST
+            worker.lost_reason = lost_reason
+            self.num_workers_lost += 1
+            self.metrics.workers_lost.labels(reason=lost_reason.split(" ", 1)[0]).inc()
+        orphans = [r for r in worker.release() if self._is_live(r.request_id)]
+        self._requeue(orphans)
+        self.num_requeued += len(orphans)
+        self.metrics.requests_requeued.inc(len(orphans))
+        logger = log.warning if lost_reason else log.info
+        logger("worker detached", worker_id=worker.worker_id, lost=lost_reason, requeued=len(orphans))
+        self._update_gauges()
+
+    async def publish_readiness(self) -> None:
+        """Tell health whether requests can run now (a ready worker and not shutting down)."""
+        ready = bool(self.ready_workers()) and not self.stopping
+        if ready != self._published_ready and self._on_ready_change is not None:
+            self._published_ready = ready
+            await self._on_ready_change(ready)
+
+    # ---- requests --------------------------------------------------------
+
+    def num_waiting(self) -> int:
+        return len(self.parked) + sum(len(w.waiting) for w in self.workers.values())
+
+    def submit(self, submit: scheduler_pb2.SubmitRequest, sink: Sink) -> Submission | Failure:
+        """Admit, route and queue a request whose events go to sink; or why not."""
+        retry = self.settings.retry_after
+        if self.stopping:
+            return Failure(
+                grpc.StatusCode.UNAVAILABLE, "scheduler is shutting down; retry on another", retry_after=retry
+            )
+        limits = self.limits()
+        if limits is None:
+            return Failure(grpc.StatusCode.UNAVAILABLE, "no worker is ready to serve; retry later", retry_after=retry)
+        if submit.request_id in self.submissions:
+            return Failure(grpc.StatusCode.ALREADY_EXISTS, f"request_id {submit.request_id!r} is already running")
+        waiting = self.num_waiting()
+        if waiting >= self.settings.max_waiting_requests:
+            return Failure(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{waiting} requests are waiting (--max-waiting-requests); retry later",
+                retry_after=retry,
+            )
+        admitted = admit(submit, limits)
+        if isinstance(admitted, Failure):
+            return admitted
+        sub = Submission(admitted, sink)
+        self.submissions[admitted.request_id] = sub
+        self._idle.clear()
+        self._route(admitted)
+        if admitted.deadline is not None:
+            self._deadline_timers[admitted.request_id] = _later(
+                admitted.deadline - time.monotonic(), self._deadline_passed, admitted.request_id
+            )
+        log.debug("submitted", request_id=admitted.request_id, prompt_tokens=admitted.num_prompt_tokens)
+        self._update_gauges()
+        return sub
+
+    def release(self, request_id: str) -> None:
+        """Forget a submission whose caller is done with it; abort it first if it is still running."""
+        sub = self.submissions.get(request_id)
+        if sub is None:
+            return
+        if not sub.finished:
+            # The caller went away (or a stop string matched at the gateway).
+            self.abort(request_id)
+        del self.submissions[request_id]
+        _cancel(self._deadline_timers, request_id)
+        _cancel(self._wait_timers, request_id)
+        if not self.submissions:
+            self._idle.set()
+
+    def abort(self, request_id: str) -> bool:
+        """Take the request out of every queue and worker (its blocks are freed); whether it was found."""
+        sub = self.submissions.get(request_id)
+        if sub is not None:
+            sub.finished = True
+        found = self.parked.remove(request_id) is not None
+        for worker in self.workers.values():
+            found = worker.abort(request_id) or found
+        if found:
+            self.outputs.finished(sampling_pb2.FINISH_REASON_ABORT)
+            log.info("aborted", request_id=request_id)
+        self._update_gauges()
+        return found
+
+    def fail(self, request_id: str, failure: Failure) -> None:
+        """End a request with an error status (it is aborted everywhere first)."""
+        sub = self.submissions.get(request_id)
+        if sub is None or sub.finished:
+            return
+        self.abort(request_id)
+        sub.send(failure)
+
+    def dispatch(self, outputs: list[RequestOutput]) -> None:
+        self.outputs.process(outputs, self.submissions)
+        self._update_gauges()
+
+    def _is_live(self, request_id: str) -> bool:
+        sub = self.submissions.get(request_id)
+        return sub is not None and not sub.finished
+
+    def _route(self, request: Request, front: bool = False) -> bool:
+        """Put a request on the best ready worker's queue; False when none can hold it."""
+        total = request.num_prompt_tokens + request.max_tokens
+        candidates = [w for w in self.ready_workers() if w.planner.can_ever_fit(total)]
+        if not candidates:
+            return False
+        chosen = choose_worker(self.policy, [w.candidate(request) for w in candidates], request.num_tokens, self._turn)
+        self._turn += 1
+        worker = self.workers[chosen]
+        worker.enqueue(request, front=front)
+        self.metrics.routed.labels(worker=chosen).inc()
+        return True
+
+    def _requeue(self, requests: list[Request]) -> None:
+        """Requests that must run elsewhere go to the heads of other workers' queues (in their order), or
+        wait up to --worker-wait-timeout for a worker when none is ready."""
+        for request in reversed(requests):
+            if self._route(request, front=True):
+                continue
+            if self.ready_workers() or self.stopping:
+                why = "no attached worker can hold this request" if not self.stopping else "scheduler is shutting down"
+                self.fail(request.request_id, Failure(grpc.StatusCode.UNAVAILABLE, why))
+                continue
+            self.parked.prepend(request)
+            self._wait_timers[request.request_id] = _later(
+                self.settings.worker_wait_timeout, self._wait_expired, request.request_id
+            )
+
+    def _deadline_passed(self, request_id: str) -> None:
+        self.fail(request_id, Failure(grpc.StatusCode.DEADLINE_EXCEEDED, "the request's deadline passed"))
+
+    def _wait_expired(self, request_id: str) -> None:
+        if request_id in self.parked:
+            self.fail(
+                request_id,
+                Failure(
+                    grpc.StatusCode.UNAVAILABLE,
+                    f"no worker attached within --worker-wait-timeout ({self.settings.worker_wait_timeout:g}s)",
+                    retry_after=self.settings.retry_after,
+                ),
+            )
+
+    def _update_gauges(self) -> None:
+        self.metrics.num_requests_waiting.set(self.num_waiting())
+        self.metrics.num_requests_running.set(sum(w.planner.num_running for w in self.workers.values()))
+        self.metrics.num_workers.set(len(self.ready_workers()))
+
+    # ---- views -------------------------------------------------------------
+
+    def model_info(self) -> scheduler_pb2.ModelInfo:
+        ready = self.ready_workers()
+        limits = self.limits()
+        first = ready[0].hello if ready else next((w.hello for w in self.workers.values()), None)
+        return scheduler_pb2.ModelInfo(
+            model_name=first.model_name if first else "",
+            model_identity=first.model_identity if first else "",
+            max_model_len=limits.max_model_len if limits else 0,
+            vocab_size=limits.vocab_size if limits else 0,
+            num_ready_workers=len(ready),
+            accepting=not self.stopping,
+            num_requests=len(self.submissions),
+        )
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        out = scheduler_pb2.SchedulerStats(
+            num_waiting=self.num_waiting(),
+            num_finished=self.outputs.num_finished,
+            num_workers_lost=self.num_workers_lost,
+            num_requeued=self.num_requeued,
+        )
+        for worker_id, worker in self.workers.items():
+            s = worker.planner.stats()
+            out.num_running += s.num_running
+            out.num_steps += s.num_steps
+            out.num_mixed_steps += s.num_mixed_steps
+            out.max_batch_size = max(out.max_batch_size, s.max_batch_size)
+            out.num_preemptions += s.num_preemptions
+            out.prefix_cache_queries += s.prefix_cache_queries
+            out.prefix_cache_hits += s.prefix_cache_hits
+            out.workers.append(
+                scheduler_pb2.WorkerPoolStats(
+                    worker_id=worker_id,
+                    num_blocks=s.num_blocks,
+                    num_free_blocks=s.num_free_blocks,
+                    num_cached_blocks=s.num_cached_blocks,
+                    num_running=s.num_running,
+                    state=worker.state.value,
+                    num_waiting=len(worker.waiting),
+                    num_routed=worker.num_routed,
+                    prefix_cache_queries=s.prefix_cache_queries,
+                    prefix_cache_hits=s.prefix_cache_hits,
+                    num_steps=s.num_steps,
+                )
+            )
+        return out
+
+    # ---- shutdown ----------------------------------------------------------
+
+    async def shutdown(self, grace: float) -> None:
+        """Refuse new work, let running requests finish within the grace, then release the workers."""
+        self.stopping = True
+        await self.publish_readiness()
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout=max(0.0, grace - 1.0))
+        except TimeoutError:
+            log.warning("shutdown grace ran out", requests=len(self.submissions))
+        self.closing = True
+        for worker in self.workers.values():
+            worker.wake.set()
+
+
+def _later(delay: float, callback: Callable[[str], None], request_id: str) -> asyncio.TimerHandle:
+    return asyncio.get_running_loop().call_later(max(0.0, delay), callback, request_id)
+
+
+def _cancel(timers: dict[str, asyncio.TimerHandle], request_id: str) -> None:
+    handle = timers.pop(request_id, None)
+    if handle is not None:
+        handle.cancel()

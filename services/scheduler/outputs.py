@@ -1,0 +1,57 @@
+"""A step's results become TokenEvents for their callers, and request-level metrics."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+
+from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.submissions import Failure, Submission
+from services.scheduler.worker_scheduler import RequestOutput
+
+
+class OutputProcessor:
+    """Sends each request's new tokens (and its end) to its caller's sink, counting what finished."""
+
+    def __init__(self, metrics: SchedulerMetrics) -> None:
+        self.metrics = metrics
+        self.num_finished = 0
+
+    def process(self, outputs: list[RequestOutput], submissions: dict[str, Submission]) -> None:
+        now = time.monotonic()
+        for out in outputs:
+            sub = submissions.get(out.request.request_id)
+            if sub is None or sub.finished:
+                continue
+            if out.error is not None:
+                sub.finished = True
+                sub.send(Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
+                continue
+            sub.send(self._event(sub, out, now))
+
+    def _event(self, sub: Submission, out: RequestOutput, now: float) -> scheduler_pb2.TokenEvent:
+        req = out.request
+        event = scheduler_pb2.TokenEvent(token_ids=out.new_token_ids)
+        if req.sampling.logprobs:
+            event.logprobs.extend(out.new_logprobs)
+        if sub.first_token_at is None and out.new_token_ids:
+            sub.first_token_at = now
+            event.num_cached_tokens = req.num_cached_tokens
+            self.metrics.time_to_first_token.observe(now - req.arrival_time)
+        if out.finish_reason is not None:
+            event.finish_reason = out.finish_reason.finish_reason()
+            event.stop_kind = req.stop_kind
+            if req.stop_token_id is not None:
+                event.stop_token_id = req.stop_token_id
+            sub.finished = True
+            self.finished(event.finish_reason)
+            self.metrics.e2e_request_latency.observe(now - req.arrival_time)
+        return event
+
+    def finished(self, reason: sampling_pb2.FinishReason.ValueType) -> None:
+        """Count one request that ended with a finish reason (aborts included)."""
+        self.num_finished += 1
+        label = sampling_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
+        self.metrics.request_success.labels(finished_reason=label).inc()
