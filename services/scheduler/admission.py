@@ -74,7 +74,18 @@ def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
     check_token_ids(submit.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
     check_token_ids(submit.eos_token_ids, limits.vocab_size, "eos_token_ids")
     check_sampling(submit.sampling, limits.vocab_size)
-    max_tokens = resolve_max_tokens(submit.sampling, len(submit.prompt_token_ids), limits.max_model_len)
+    # Unset max_tokens means "as many as fit": in the model length and in every worker's KV cache. A
+    # max_tokens that is set is capped by the model length only; past the KV cache it is refused below.
+    room = limits.max_model_len
+    if not submit.sampling.HasField("max_tokens"):
+        room = min(room, limits.max_sequence_tokens)
+    max_tokens = resolve_max_tokens(submit.sampling, len(submit.prompt_token_ids), room)
+    if max_tokens < 1:
+        raise InvalidField(
+            "prompt_token_ids",
+            f"the prompt of {len(submit.prompt_token_ids)} tokens leaves no room to generate in a worker's KV "
+            f"cache ({limits.max_sequence_tokens} tokens); shorten it",
+        )
     total = len(submit.prompt_token_ids) + max_tokens
     if total > limits.max_sequence_tokens:
         raise InvalidField(

@@ -256,10 +256,11 @@ class Cluster:
         candidates = [w for w in self.ready_workers() if w.planner.can_ever_fit(total)]
         if not candidates:
             return False
-        chosen = choose_worker(self.policy, [w.candidate(request) for w in candidates], request.num_tokens, self._turn)
+        seen = {w.worker_id: w.candidate(request) for w in candidates}
+        chosen = choose_worker(self.policy, list(seen.values()), request.num_tokens, self._turn)
         self._turn += 1
         worker = self.workers[chosen]
-        worker.enqueue(request, front=front)
+        worker.enqueue(request, front=front, work=request.num_tokens - seen[chosen].cached_tokens)
         self.metrics.routed.labels(worker=chosen).inc()
         return True
 

@@ -107,12 +107,14 @@ class WorkerLoop:
 
     # ---- routing -------------------------------------------------------
 
-    def enqueue(self, request: Request, front: bool = False) -> None:
-        """A routed request joins this worker's queue (at the head for requeued work, so it finishes first)."""
+    def enqueue(self, request: Request, front: bool = False, work: int | None = None) -> None:
+        """A routed request joins this worker's queue (at the head for requeued work, so it finishes first).
+
+        work: the tokens it will compute here (its prompt less the cached prefix), the router's estimate."""
         if front:
-            self.waiting.prepend(request)
+            self.waiting.prepend(request, work)
         else:
-            self.waiting.append(request)
+            self.waiting.append(request, work)
         if request.request_id not in self._hashes_of:
             hashes = list(request.get_block_hashes(self.planner.block_size))
             self._hashes_of[request.request_id] = hashes

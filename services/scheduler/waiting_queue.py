@@ -11,28 +11,37 @@ from services.scheduler.request import Request
 class WaitingQueue:
     """Requests in admission order; preempted ones go back to the head.
 
-    Keeps the total of its requests' uncomputed tokens, the router's measure of queued work, so routing
-    does not walk every queue for every request.
+    Keeps the total of its requests' work (tokens to compute, as the router estimated them when it queued
+    each; all their tokens otherwise), so routing does not walk every queue for every request.
     """
 
     def __init__(self) -> None:
         self._queue: deque[Request] = deque()
+        self._work: dict[str, int] = {}
         self.num_tokens = 0
 
-    def append(self, request: Request) -> None:
+    def append(self, request: Request, work: int | None = None) -> None:
         self._queue.append(request)
-        self.num_tokens += request.num_tokens
+        self._add_work(request, work)
 
-    def prepend(self, request: Request) -> None:
+    def prepend(self, request: Request, work: int | None = None) -> None:
         self._queue.appendleft(request)
-        self.num_tokens += request.num_tokens
+        self._add_work(request, work)
+
+    def _add_work(self, request: Request, work: int | None) -> None:
+        tokens = request.num_tokens if work is None else work
+        self._work[request.request_id] = tokens
+        self.num_tokens += tokens
+
+    def _drop_work(self, request: Request) -> None:
+        self.num_tokens -= self._work.pop(request.request_id, 0)
 
     def peek(self) -> Request | None:
         return self._queue[0] if self._queue else None
 
     def popleft(self) -> Request:
         request = self._queue.popleft()
-        self.num_tokens -= request.num_tokens
+        self._drop_work(request)
         return request
 
     def remove(self, request_id: str) -> Request | None:
@@ -40,7 +49,7 @@ class WaitingQueue:
         for request in self._queue:
             if request.request_id == request_id:
                 self._queue.remove(request)
-                self.num_tokens -= request.num_tokens
+                self._drop_work(request)
                 return request
         return None
 
@@ -48,6 +57,7 @@ class WaitingQueue:
         """Empty the queue, returning its requests in order."""
         out = list(self._queue)
         self._queue.clear()
+        self._work.clear()
         self.num_tokens = 0
         return out
 
