@@ -159,7 +159,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            self.cluster.detach(worker, stream.lost_reason)
+            self.cluster.detach(worker, stream.loss())
             await self.cluster.publish_readiness()
 
     async def drain(self, grace: float) -> None:

@@ -117,6 +117,15 @@ class WorkerStream:
         self.cluster.metrics.kv_cache_usage_perc.labels(worker=worker.worker_id).set(kv.usage)
         return True
 
+    def loss(self) -> str | None:
+        """Why the worker counts as lost now that its stream is over; None for a clean leave."""
+        if self.lost_reason is not None:
+            return self.lost_reason
+        if self._should_end():
+            return None
+        # The call ended under us (the worker's connection dropped and grpc cancelled the handler).
+        return "stream cancelled"
+
     def _should_end(self) -> bool:
         worker = self.worker
         if self.cluster.closing:

@@ -8,6 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from services.client.launcher import Launcher, ServiceProcess, start_suite_processes, wait_all_healthy
 from services.common.channels import insecure_channel
 from services.common.ports import free_port
@@ -62,6 +64,51 @@ class Suite:
         """SIGTERM everything, gateway first."""
         self.launcher.stop_all(timeout=30)
 
+    def add_worker(
+        self, model_dir: Path, worker_args: Sequence[str] = (), env: dict[str, str] | None = None
+    ) -> ServiceProcess:
+        """Start one more worker attached to this suite's scheduler (not waited for)."""
+        index = len(self.workers)
+        port = free_port()
+        launcher = self.launcher if env is None else Launcher(self.log_dir, env={**self.launcher.env, **env})
+        worker = launcher.start(
+            f"worker-{index}",
+            [
+                "worker", "--host", "127.0.0.1", "--port", str(port), "--scheduler-address", self.scheduler.address,
+                "--model", str(model_dir), "--worker-id", f"worker-{index}", *worker_args,
+            ],
+            f"127.0.0.1:{port}",
+        )  # fmt: skip
+        if launcher is not self.launcher:
+            # Stopped with the rest of the suite.
+            self.launcher.services.append(worker)
+        self.workers.append(worker)
+        return worker
+
+    async def wait_workers(self, ready: int, timeout: float = STARTUP_TIMEOUT_S) -> scheduler_pb2.SchedulerStats:
+        """Poll until this many workers are READY at the scheduler."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            try:
+                stats = await self.stats()
+                if sum(w.state == "READY" for w in stats.workers) >= ready:
+                    return stats
+            except grpc.aio.AioRpcError as err:
+                # A scheduler that is (re)starting answers nothing yet.
+                if err.code() != grpc.StatusCode.UNAVAILABLE:
+                    raise
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"fewer than {ready} workers ready")
+            await asyncio.sleep(0.1)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident memory of a process, from /proc."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
 
 def start_suite(
     model_dir: Path,
@@ -71,6 +118,7 @@ def start_suite(
     worker_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
     num_workers: int = 1,
+    scheduler_port: int | None = None,
 ) -> Suite:
     """Start and wait until every service reports SERVING."""
     launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"})
@@ -79,7 +127,7 @@ def start_suite(
             launcher,
             model=str(model_dir),
             host="127.0.0.1",
-            scheduler_port=free_port(),
+            scheduler_port=scheduler_port or free_port(),
             worker_ports=[free_port() for _ in range(num_workers)],
             gateway_port=free_port(),
             scheduler_args=scheduler_args,
