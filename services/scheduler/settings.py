@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 
 DEFAULT_PORT = 50052
@@ -15,8 +16,8 @@ class SchedulerSettings(ServiceSettings):
     """Continuous-batching limits and the queue bound."""
 
     port: int = Field(DEFAULT_PORT, description="gRPC port", ge=0, le=65535)
-    max_num_seqs: int = Field(128, description="most requests in one step", ge=1)
-    max_num_batched_tokens: int = Field(2048, description="token budget of one step", ge=1)
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, description="most requests in one step", ge=1)
+    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, description="token budget of one step", ge=1)
     max_model_len: int | None = Field(
         None, description="longest prompt + output; unset: the smallest a worker reports", ge=2
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.worker.precision import Precision, parse_precision, precision_from_dtype
 
 # --device values; `auto` is resolved by services.worker.platforms.resolve_device.
@@ -29,8 +30,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
+    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     seed: int = 0
     # CPU op table: auto (native kernels where they build), native, or reference (pure torch).
     cpu_kernels: str = "auto"
