@@ -9,13 +9,36 @@ import subprocess
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.channels import insecure_channel
+
+# Runs in each child before it becomes `python -m services.cli ...` (argv: launcher pid, then the real
+# command). PR_SET_PDEATHSIG makes Linux send SIGTERM to the child when the launcher dies by any
+# means (SIGKILL, a closed pipe, a crash), so no service outlives it; the signal setting survives
+# execve. It is set here, in the child's own single-threaded interpreter, rather than in a Popen
+# preexec_fn, which is not safe to run between fork and exec in a process with threads. If the
+# launcher died before prctl ran, nobody would ever send the signal: then the child does not start.
+_DIE_WITH_PARENT = """
+import ctypes, os, signal, sys
+PR_SET_PDEATHSIG = 1
+try:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+except (OSError, AttributeError):
+    pass  # not Linux: the launcher's own stop_all is the only guarantee
+if os.getppid() != int(sys.argv[1]):
+    sys.exit("meshserve: the launcher exited before this service started")
+os.execv(sys.executable, [sys.executable, *sys.argv[2:]])
+"""
+
+
+def die_with_parent_command(python_args: Sequence[str]) -> list[str]:
+    """`python PYTHON_ARGS` for Popen, as a child that gets SIGTERM when this process dies."""
+    return [sys.executable, "-c", _DIE_WITH_PARENT, str(os.getpid()), *python_args]
 
 
 @dataclass
@@ -26,6 +49,9 @@ class ServiceProcess:
     address: str
     process: subprocess.Popen[bytes]
     log_path: Path
+    # The `meshserve` arguments it runs with (process.args also holds the die-with-parent wrapper),
+    # e.g. to start it again.
+    args: list[str] = field(default_factory=list)
 
     def log_tail(self, lines: int = 40) -> str:
         """The end of the service's log, for error messages."""
@@ -46,18 +72,22 @@ class Launcher:
         log_dir.mkdir(parents=True, exist_ok=True)
 
     def start(self, name: str, args: list[str], address: str) -> ServiceProcess:
-        """Run `python -m services.cli ARGS` with its log in log_dir/NAME.log."""
+        """Run `python -m services.cli ARGS` with its log in log_dir/NAME.log; it dies with this process.
+
+        Call it from the main thread: Linux sends the death signal when the thread that forked the
+        child exits, so a child started from a short-lived thread would be stopped with that thread.
+        """
         log_path = self.log_dir / f"{name}.log"
         with log_path.open("ab") as log_file:
             process = subprocess.Popen(
-                [sys.executable, "-m", "services.cli", *args],
+                die_with_parent_command(["-m", "services.cli", *args]),
                 stdout=log_file,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=self.env,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop children in order
             )
-        service = ServiceProcess(name, address, process, log_path)
+        service = ServiceProcess(name, address, process, log_path, list(args))
         self.services.append(service)
         return service
 

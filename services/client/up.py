@@ -5,15 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import signal
 import sys
+import typing
 from pathlib import Path
+from typing import TextIO
 
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
+from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
+
+# How the scheduler picks a worker per request: the choices of its --routing, which `up` passes on.
+ROUTING_POLICIES: tuple[str, ...] = typing.get_args(SchedulerSettings.model_fields["routing"].annotation)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,7 +30,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway (public) port")
     parser.add_argument("--scheduler-port", type=int, default=SCHEDULER_PORT)
     parser.add_argument("--worker-port", type=int, default=WORKER_PORT, help="first worker's health port")
-    parser.add_argument("--num-workers", type=int, default=1, help="worker processes to start")
+    parser.add_argument(
+        "--workers", "--num-workers", dest="workers", type=_positive_int, default=1, help="worker processes to start"
+    )
+    parser.add_argument(
+        "--routing", default=None, choices=ROUTING_POLICIES, help="how the scheduler picks a worker (scheduler default)"
+    )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda or npu (worker default: auto)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one dtype")
     parser.add_argument("--precision", default=None, help="WEIGHTS-COMPUTE-ACCUM, e.g. bf16-fp16-fp32 (default: auto)")
@@ -40,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
 def _optional(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
@@ -50,6 +69,50 @@ def _prefix_caching(enabled: bool | None) -> list[str]:
     return ["--enable-prefix-caching" if enabled else "--no-enable-prefix-caching"]
 
 
+def scheduler_args(ns: argparse.Namespace) -> list[str]:
+    """The scheduler's flags from `up`'s; unset ones stay absent so the scheduler's defaults apply."""
+    return [
+        *_optional("--max-num-seqs", ns.max_num_seqs),
+        *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
+        *_prefix_caching(ns.enable_prefix_caching),
+        *_optional("--routing", ns.routing),
+    ]
+
+
+def worker_args(ns: argparse.Namespace) -> list[str]:
+    """Every worker's flags from `up`'s."""
+    return [
+        "--kv-cache-memory",
+        ns.kv_cache_memory,
+        *_optional("--device", ns.device),
+        *_optional("--dtype", ns.dtype),
+        *_optional("--precision", ns.precision),
+        *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
+        *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
+    ]
+
+
+def say(text: str, stream: TextIO | None = None) -> None:
+    """Print for the user without ever raising.
+
+    Ctrl-C on `meshserve up | tee up.log` kills tee too; a print to its closed pipe would raise
+    BrokenPipeError in the middle of shutdown and orphan the services. Once the pipe is gone the
+    stream is pointed at /dev/null, so later prints and the interpreter's final flush stay quiet.
+    """
+    stream = stream or sys.stdout
+    try:
+        print(text, file=stream, flush=True)
+    except (OSError, ValueError):  # BrokenPipeError (SIGPIPE is ignored in Python), or a closed stream
+        _to_devnull(stream)
+
+
+def _to_devnull(stream: TextIO) -> None:
+    with contextlib.suppress(OSError, ValueError):
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+
+
 def _model_dir(model: str | None) -> str:
     if model:
         return model
@@ -57,7 +120,7 @@ def _model_dir(model: str | None) -> str:
     from services.worker.model_fetch import ensure_embedded_model
 
     if not (embedded_model_dir() / "config.json").exists():
-        print("meshserve: fetching and converting the embedded model SmolLM2-135M-Instruct (once)...")
+        say("meshserve: fetching and converting the embedded model SmolLM2-135M-Instruct (once)...")
     return str(ensure_embedded_model())
 
 
@@ -76,28 +139,16 @@ async def run(ns: argparse.Namespace) -> int:
             model=model,
             host=ns.host,
             scheduler_port=ns.scheduler_port,
-            worker_ports=[ns.worker_port + i for i in range(ns.num_workers)],
+            worker_ports=[ns.worker_port + i for i in range(ns.workers)],
             gateway_port=ns.port,
             common_args=_optional("--max-model-len", ns.max_model_len),
-            scheduler_args=[
-                *_optional("--max-num-seqs", ns.max_num_seqs),
-                *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
-                *_prefix_caching(ns.enable_prefix_caching),
-            ],
-            worker_args=[
-                "--kv-cache-memory",
-                ns.kv_cache_memory,
-                *_optional("--device", ns.device),
-                *_optional("--dtype", ns.dtype),
-                *_optional("--precision", ns.precision),
-                *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
-                *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
-            ],
+            scheduler_args=scheduler_args(ns),
+            worker_args=worker_args(ns),
         )
         gateway = suite.gateway
-        print(f"meshserve: starting scheduler, {ns.num_workers} worker(s) and gateway; logs in {log_dir}")
+        say(f"meshserve: starting scheduler, {ns.workers} worker(s) and gateway; logs in {log_dir}")
         await wait_all_healthy(launcher, suite.all, ns.startup_timeout)
-        print(
+        say(
             f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
             f'  try:  meshserve generate --address {gateway.address} "What is the capital of France?"\n'
             f"        meshserve chat --address {gateway.address}\n"
@@ -105,10 +156,10 @@ async def run(ns: argparse.Namespace) -> int:
         )
         await _wait_for_stop_or_exit(launcher, stop)
     except (RuntimeError, TimeoutError) as err:
-        print(f"meshserve: {err}", file=sys.stderr)
+        say(f"meshserve: {err}", sys.stderr)
         return 1
     finally:
-        print("meshserve: stopping...")
+        say("meshserve: stopping...")
         launcher.stop_all()
     return 0
 

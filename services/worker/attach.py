@@ -1,12 +1,18 @@
-"""The worker's side of Scheduler.Attach: hello, then execute each Step and answer."""
+"""The worker's side of Scheduler.Attach: hello, then execute each Step and answer, with heartbeats."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import contextvars
 import functools
+import os
+import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+import traceback
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
@@ -18,6 +24,13 @@ from services.common.proto.meshserve.v1 import scheduler_pb2_grpc, worker_pb2
 
 log = structlog.get_logger()
 
+# Used when AttachAccepted carries no interval (a scheduler that predates heartbeats ignores them).
+DEFAULT_HEARTBEAT_INTERVAL_S = 1.0
+# Test-only fault injection, read by with_test_faults() and nowhere else.
+HANG_AFTER_STEPS_ENV = "MESHSERVE_TEST_HANG_AFTER_STEPS"
+
+Outbox = asyncio.Queue[worker_pb2.WorkerMessage | None]
+
 
 class StepExecutor(Protocol):
     """What the attach loop needs from the model runner."""
@@ -25,6 +38,16 @@ class StepExecutor(Protocol):
     def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult: ...
 
     def reset(self) -> None: ...
+
+
+class ModelThreadHung(RuntimeError):
+    """A step kept running long after its stream ended: only a new process recovers the engine."""
+
+
+def heartbeat_interval(accepted: worker_pb2.AttachAccepted) -> float:
+    """Seconds between heartbeats: the scheduler's ask, or our default when it names none."""
+    interval = accepted.heartbeat_interval_seconds
+    return interval if interval > 0 else DEFAULT_HEARTBEAT_INTERVAL_S
 
 
 class AttachClient:
@@ -38,87 +61,110 @@ class AttachClient:
         on_attached: Callable[[bool], Awaitable[None]],
         executor_thread: ThreadPoolExecutor,
         reconnect_interval: float = 1.0,
+        *,
+        hung_step_timeout: float,
     ) -> None:
         self.scheduler_address = scheduler_address
         self.hello = hello
         self.executor = executor
         self.on_attached = on_attached
         self.reconnect_interval = reconnect_interval
+        self.hung_step_timeout = hung_step_timeout
         # Always the same thread: OpenMP keeps one thread team per calling thread, and a
         # different pool thread per step would start competing teams on the same cores.
         self._thread = executor_thread
-        self._outbox: asyncio.Queue[worker_pb2.WorkerMessage | None] = asyncio.Queue()
-        self._stopping = False
+        self._outbox: Outbox = asyncio.Queue()
+        # Steps received and not yet answered, oldest first; the model thread runs them in this order.
+        self._pending: collections.deque[asyncio.Future[worker_pb2.StepResult]] = collections.deque()
+        # (step_id, monotonic start) of the step on the model thread, None between steps. Written there
+        # as one assignment and only read on the event loop, so heartbeats need no lock.
+        self._running: tuple[int, float] | None = None
+        self._model_thread_id: int | None = None
+        self._stop = asyncio.Event()
         self._attached = False
 
     async def run(self) -> None:
-        """Attach, serve steps, and re-attach after failures until stop() is called."""
+        """Attach, serve steps, and re-attach after failures until drain() or close().
+
+        Raises ModelThreadHung when a step is still running hung_step_timeout after its stream ended.
+        """
         async with insecure_channel(self.scheduler_address) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
-            while not self._stopping:
-                try:
-                    await self._serve_once(stub)
-                except grpc.aio.AioRpcError as err:
-                    log.warning(
-                        "attach stream failed",
-                        scheduler=self.scheduler_address,
-                        code=err.code().name,
-                        details=err.details(),
-                    )
-                self.executor.reset()
-                if self._attached:
-                    self._attached = False
-                    await self.on_attached(False)
-                if not self._stopping:
-                    await asyncio.sleep(self.reconnect_interval)
+            while not self._stop.is_set():
+                await self._attach_once(stub)
+                await self._set_attached(False)
+                if not await self.wait_steps_done(self.hung_step_timeout):
+                    raise ModelThreadHung(self._report_hang())
+                # The next stream starts from an empty batch; reset on the model thread, after its steps.
+                await asyncio.get_running_loop().run_in_executor(self._thread, self.executor.reset)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stop.wait(), timeout=self.reconnect_interval)
 
-    async def _serve_once(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
-        self._outbox = asyncio.Queue()
-        self._outbox.put_nowait(worker_pb2.WorkerMessage(hello=self.hello))
-        if self._stopping:
-            return
-        call = stub.Attach(self._messages())
-        loop = asyncio.get_running_loop()
-        # Steps queued on the model thread, oldest first. With async scheduling the next Step
-        # arrives while one runs; queueing it at once lets the thread start it the moment the
-        # current one ends, without waiting for this event loop to read it.
-        pending: collections.deque[asyncio.Future[worker_pb2.StepResult]] = collections.deque()
+    async def _attach_once(self, stub: scheduler_pb2_grpc.SchedulerStub) -> None:
+        """One Attach stream, from hello until either side ends it."""
+        outbox: Outbox = asyncio.Queue()
+        outbox.put_nowait(worker_pb2.WorkerMessage(hello=self.hello))
+        self._outbox = outbox
+        call = stub.Attach(_messages(outbox))
+        heartbeats: asyncio.Task[None] | None = None
         try:
             async for message in call:
                 if message.HasField("accepted"):
-                    self._attached = True
-                    log.info("attached to scheduler", scheduler=self.scheduler_address)
-                    await self.on_attached(True)
+                    interval = heartbeat_interval(message.accepted)
+                    heartbeats = heartbeats or asyncio.create_task(self._send_heartbeats(outbox, interval))
+                    log.info("attached to scheduler", scheduler=self.scheduler_address, heartbeat_interval_s=interval)
+                    await self._set_attached(True)
                 elif message.HasField("step"):
-                    future = loop.run_in_executor(self._thread, self._execute, message.step)
-                    future.add_done_callback(functools.partial(self._answer, pending))
-                    pending.append(future)
-            log.info("scheduler closed the attach stream")
+                    self._submit(outbox, message.step)
+            log.info("scheduler closed the attach stream", pending_steps=len(self._pending))
+        except grpc.aio.AioRpcError as err:
+            log.warning(
+                "attach stream failed",
+                scheduler=self.scheduler_address,
+                code=err.code().name,
+                details=err.details(),
+                pending_steps=len(self._pending),
+            )
         finally:
-            # The caller resets the runner next; that must not overlap a step still running.
-            if pending:
-                await asyncio.wait(list(pending))
+            if heartbeats is not None:
+                heartbeats.cancel()
+            # End our request iterator too: grpc leaves its reader task waiting on the outbox otherwise.
+            outbox.put_nowait(None)
+            call.cancel()
 
-    def _answer(
-        self,
-        pending: collections.deque[asyncio.Future[worker_pb2.StepResult]],
-        done: asyncio.Future[worker_pb2.StepResult],
-    ) -> None:
+    def _submit(self, outbox: Outbox, step: worker_pb2.Step) -> None:
+        """Queue the step on the model thread at once: with async scheduling the next Step arrives while
+        one runs, and the thread starts it the moment the current one ends, without waiting for this loop."""
+        # In a copy of this context, so the model thread's log lines carry the worker's bound fields.
+        run = functools.partial(contextvars.copy_context().run, self._execute, step)
+        future = asyncio.get_running_loop().run_in_executor(self._thread, run)
+        future.add_done_callback(functools.partial(self._answer, outbox))
+        self._pending.append(future)
+
+    def _answer(self, outbox: Outbox, done: asyncio.Future[worker_pb2.StepResult]) -> None:
         """Send results in step order (one model thread runs them in order, so they finish in order)."""
-        while pending and pending[0].done():
-            future = pending.popleft()
+        while self._pending and self._pending[0].done():
+            future = self._pending.popleft()
             if not future.cancelled():
-                self._outbox.put_nowait(worker_pb2.WorkerMessage(result=future.result()))
+                outbox.put_nowait(worker_pb2.WorkerMessage(result=future.result()))
 
-    async def _messages(self) -> AsyncIterator[worker_pb2.WorkerMessage]:
+    async def _send_heartbeats(self, outbox: Outbox, interval: float) -> None:
+        """From the event loop, never the model thread: a long step must not look like a dead worker."""
         while True:
-            message = await self._outbox.get()
-            if message is None:
-                return
-            yield message
+            await asyncio.sleep(interval)
+            outbox.put_nowait(worker_pb2.WorkerMessage(heartbeat=self._heartbeat()))
+
+    def _heartbeat(self) -> worker_pb2.Heartbeat:
+        """How busy the model thread is right now."""
+        running = self._running
+        seconds = 0.0 if running is None else time.monotonic() - running[1]
+        return worker_pb2.Heartbeat(num_pending_steps=len(self._pending), running_step_seconds=seconds)
 
     def _execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
-        start = time.perf_counter()
+        """Run on the model thread."""
+        self._model_thread_id = threading.get_ident()
+        start = time.monotonic()
+        self._running = (step.step_id, start)
         try:
             return self.executor.execute(step)
         except Exception as err:  # a bad step must not take the worker down
@@ -126,15 +172,99 @@ class AttachClient:
             return worker_pb2.StepResult(
                 step_id=step.step_id,
                 error=f"{type(err).__name__}: {err}",
-                execute_seconds=time.perf_counter() - start,
+                execute_seconds=time.monotonic() - start,
             )
+        finally:
+            self._running = None
+
+    async def wait_steps_done(self, timeout: float) -> bool:
+        """Wait up to timeout for every step the model thread holds; False when one is still running."""
+        if self._pending:
+            _, running = await asyncio.wait(list(self._pending), timeout=timeout)
+            if running:
+                return False
+        self._pending.clear()
+        return True
+
+    def _report_hang(self) -> str:
+        """Log where the model thread is stuck (what an operator needs to file the bug) and say why we stop."""
+        running = self._running
+        step_id, seconds = (None, 0.0) if running is None else (running[0], time.monotonic() - running[1])
+        frame = sys._current_frames().get(self._model_thread_id or 0)
+        log.error(
+            "model thread hung: a step outlived its attach stream; the worker must restart",
+            step_id=step_id,
+            running_step_seconds=round(seconds, 3),
+            pending_steps=len(self._pending),
+            hung_step_timeout_s=self.hung_step_timeout,
+            model_thread_stack="".join(traceback.format_stack(frame)) if frame is not None else "",
+        )
+        return f"step {step_id} still running after {seconds:.1f}s, {self.hung_step_timeout:g}s after its stream ended"
+
+    async def _set_attached(self, attached: bool) -> None:
+        if attached != self._attached:
+            self._attached = attached
+            await self.on_attached(attached)
 
     def drain(self, reason: str) -> None:
-        """Tell the scheduler to admit nothing new here; it ends the stream once idle."""
-        self._stopping = True
+        """Tell the scheduler to admit nothing new here; it ends the stream once our requests finished.
+
+        Steps and heartbeats go on until then; no re-attach follows."""
+        log.info("draining: the scheduler finishes our requests, then ends the stream", reason=reason)
+        self._stop.set()
         self._outbox.put_nowait(worker_pb2.WorkerMessage(drain=worker_pb2.Drain(reason=reason)))
 
     def close(self) -> None:
-        """End the stream from our side."""
-        self._stopping = True
+        """End the stream from our side; the scheduler re-queues whatever still ran here."""
+        self._stop.set()
         self._outbox.put_nowait(None)
+
+
+async def _messages(outbox: Outbox) -> AsyncIterator[worker_pb2.WorkerMessage]:
+    """The request side of one Attach stream; None ends it."""
+    while True:
+        message = await outbox.get()
+        if message is None:
+            return
+        yield message
+
+
+class HangAfterSteps:
+    """TEST-ONLY fault: runs `steps` steps, then blocks the model thread forever on the next one.
+
+    Integration tests arm it with MESHSERVE_TEST_HANG_AFTER_STEPS=N to get a worker that is alive
+    but stuck, like an engine wedged in a device call: the event loop and heartbeats go on, the step
+    never answers. Never armed in production.
+    """
+
+    def __init__(self, inner: StepExecutor, steps: int) -> None:
+        self.inner = inner
+        self.steps_left = steps
+        # Set when the model thread blocks, so a test can see the fault took effect.
+        self.hanging = threading.Event()
+        self._never = threading.Event()
+
+    def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
+        if self.steps_left == 0:
+            log.warning("test fault: the model thread hangs now", step_id=step.step_id)
+            self.hanging.set()
+            self._never.wait()
+        self.steps_left -= 1
+        return self.inner.execute(step)
+
+    def reset(self) -> None:
+        self.inner.reset()
+
+    def release(self) -> None:
+        """Unblock the model thread: in-process unit tests must not leave a blocked thread behind."""
+        self._never.set()
+
+
+def with_test_faults(executor: StepExecutor, environ: Mapping[str, str] = os.environ) -> StepExecutor:
+    """The executor, wrapped in the test-only fault HANG_AFTER_STEPS_ENV asks for (unset: unchanged)."""
+    value = environ.get(HANG_AFTER_STEPS_ENV, "").strip()
+    if not value:
+        return executor
+    steps = int(value)
+    log.warning("test fault armed: the model thread will hang", env=HANG_AFTER_STEPS_ENV, after_steps=steps)
+    return HangAfterSteps(executor, steps)

@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import functools
 import os
 import socket
 import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.process import BaseProcess
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import structlog
 
@@ -19,7 +19,7 @@ from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
-from services.worker.attach import AttachClient, StepExecutor
+from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
 from services.worker.engine_config import EngineConfig
 from services.worker.settings import WorkerSettings
 
@@ -30,6 +30,10 @@ if TYPE_CHECKING:
 log = structlog.get_logger()
 # The worker serves only grpc.health.v1 (and reflection); its work arrives over Attach.
 HEALTH_ONLY: list[str] = []
+# Seconds kept back from the grace period (and given to the scheduler) to close the attach stream.
+CLOSE_MARGIN_S = 1.0
+# Exit status of a worker whose model thread hung (EX_SOFTWARE): distinct from a startup failure's 1.
+HUNG_EXIT_CODE = os.EX_SOFTWARE
 
 
 def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
@@ -167,26 +171,73 @@ async def _serve_driver(
     )
     log.info("model loaded", model=runner.model_name, num_blocks=runner.num_blocks, worker_id=worker_id)
     client = AttachClient(
-        settings.scheduler_address, hello, executor, service.set_serving, model_thread, settings.reconnect_interval
+        settings.scheduler_address,
+        hello,
+        with_test_faults(executor),
+        service.set_serving,
+        model_thread,
+        reconnect_interval=settings.reconnect_interval,
+        hung_step_timeout=settings.hung_step_timeout,
     )
     attach_task = asyncio.create_task(client.run())
-
-    async def drain(grace: float) -> None:
-        client.drain("SIGTERM")
-        try:
-            await asyncio.wait_for(asyncio.shield(attach_task), timeout=max(0.0, grace - 1.0))
-        except TimeoutError:
-            client.close()
-
-    await service.run_until_stopped(drain)
-    client.close()
-    attach_task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await attach_task
+    # The attach loop ends by itself only when it fails (a hung model thread): shut down as on SIGTERM.
+    attach_task.add_done_callback(lambda _: service.request_stop())
+    await service.run_until_stopped(functools.partial(_drain, client, attach_task))
+    if not await _detach(client, attach_task, settings.hung_step_timeout):
+        _exit_hung(processes, stopping)
     if driver is not None:
         await asyncio.get_running_loop().run_in_executor(model_thread, driver.close)
     model_thread.shutdown(wait=True)
-    return 0
+    return 0 if _failure(attach_task) is None else 1
+
+
+async def _drain(client: AttachClient, attach_task: asyncio.Task[None], grace: float) -> None:
+    """SIGTERM (health is NOT_SERVING already): the scheduler sends nothing new, lets our requests
+    finish while we keep answering steps and heartbeats, then ends the stream. When the grace runs
+    out first we close our side and the scheduler re-queues what is left on other workers."""
+    if attach_task.done():
+        return
+    client.drain("SIGTERM")
+    # asyncio.wait, not wait_for: a failed attach loop is _detach's to report, not a drain error.
+    _, running = await asyncio.wait({attach_task}, timeout=max(0.0, grace - CLOSE_MARGIN_S))
+    if running:
+        log.warning("drain grace period ran out; closing the attach stream", grace_period_s=grace)
+        client.close()
+
+
+async def _detach(client: AttachClient, attach_task: asyncio.Task[None], hung_step_timeout: float) -> bool:
+    """End the attach loop for good; False when the model thread is hung and cannot be joined."""
+    client.close()
+    # The scheduler ends the stream as soon as it sees our side closed; the loop then waits for our steps.
+    _, running = await asyncio.wait({attach_task}, timeout=CLOSE_MARGIN_S + hung_step_timeout)
+    if running:
+        attach_task.cancel()
+        await asyncio.wait({attach_task})
+    failure = _failure(attach_task)
+    if isinstance(failure, ModelThreadHung):
+        return False
+    if failure is not None:
+        log.error("attach loop failed", error=f"{type(failure).__name__}: {failure}")
+    return await client.wait_steps_done(hung_step_timeout)
+
+
+def _failure(task: asyncio.Task[None]) -> BaseException | None:
+    """What a finished task raised; None when it returned or was cancelled."""
+    return None if task.cancelled() else task.exception()
+
+
+def _exit_hung(processes: list[BaseProcess], stopping: threading.Event) -> NoReturn:
+    """Leave now with HUNG_EXIT_CODE so a supervisor restarts the worker, as vLLM does with a dead engine.
+
+    A wedged model thread never frees its device or answers again, and the interpreter's normal exit
+    would join it forever; so os._exit, after the gRPC server stopped and the logs are flushed."""
+    log.error("exiting: the model thread is hung", exit_code=HUNG_EXIT_CODE)
+    stopping.set()  # the rank watcher must not report the ranks we kill as crashed
+    for process in processes:
+        process.kill()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(HUNG_EXIT_CODE)
 
 
 async def _serve_follower(

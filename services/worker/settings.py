@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 
 DEFAULT_PORT = 50053
@@ -64,11 +65,19 @@ class WorkerSettings(ServiceSettings):
         0.9, description="fraction of device memory for weights, activations and KV cache (cuda, npu)", gt=0, le=1
     )
     max_model_len: int | None = Field(None, description="longest sequence (unset: the model's)", ge=2)
-    max_num_batched_tokens: int = Field(2048, description="largest step the worker must run", ge=1)
-    max_num_seqs: int = Field(128, description="largest batch the worker must run", ge=1)
+    max_num_batched_tokens: int = Field(
+        DEFAULT_MAX_NUM_BATCHED_TOKENS, description="largest step the worker must run", ge=1
+    )
+    max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, description="largest batch the worker must run", ge=1)
     seed: int = Field(0, description="seed of unseeded sampling")
     worker_id: str | None = Field(None, description="id shown to the scheduler (unset: host:pid)")
     reconnect_interval: float = Field(1.0, description="seconds between attach attempts", gt=0)
+    hung_step_timeout: float = Field(
+        10.0,
+        description="seconds a step may still run after the scheduler stream ended before the worker calls its "
+        "model hung and exits non-zero for its supervisor to restart it",
+        gt=0,
+    )
 
     @field_validator("kv_cache_memory")
     @classmethod

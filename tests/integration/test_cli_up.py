@@ -15,9 +15,12 @@ from services.common.ports import free_port
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "services.cli"]
+# The last line `meshserve up` prints once every service is SERVING.
+BANNER = "Ctrl-C stops every service"
 
 
-def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+def wait_for_line(proc: subprocess.Popen[str], needle: str, timeout: float) -> str:
+    """Read proc's stdout up to the line containing needle; all of it so far."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout
     seen = []
@@ -53,7 +56,7 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
         text=True,
     )
     try:
-        banner = _wait_for_line(up, "Ctrl-C stops every service", timeout=300)
+        banner = wait_for_line(up, BANNER, timeout=300)
         assert f"127.0.0.1:{port}" in banner
         address = ["--address", f"127.0.0.1:{port}"]
         gen = subprocess.run(

@@ -1,0 +1,106 @@
+"""`meshserve up` never leaves its services behind: not when SIGKILLed, not when its stdout pipe is gone."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+from services.common.ports import free_port
+from tests.integration.test_cli_up import BANNER, CLI, wait_for_line
+
+STARTUP_S = 300.0
+# Bound on how long the orphaned services may take to drain and exit; not a measured latency.
+EXIT_S = 90.0
+
+# A process by pid and start time (clock ticks since boot), so a recycled pid is never mistaken for it.
+Process = tuple[int, str]
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat fields after the command name (state first), or None once the process is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return text[text.rindex(")") + 2 :].split()
+
+
+def _children(pid: int) -> set[Process]:
+    found = set()
+    for entry in Path("/proc").iterdir():
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields is not None and fields[1] == str(pid):
+            found.add((int(entry.name), fields[19]))
+    return found
+
+
+def _running(process: Process) -> bool:
+    fields = _stat(process[0])
+    # A zombie has exited; whoever adopted it may simply not have reaped it yet.
+    return fields is not None and fields[19] == process[1] and fields[0] != "Z"
+
+
+def _survivors(processes: set[Process], timeout: float) -> set[Process]:
+    deadline = time.monotonic() + timeout
+    while (alive := {p for p in processes if _running(p)}) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return alive
+
+
+def _kill(processes: set[Process]) -> None:
+    """Clean up after a failed test: only the exact processes it started."""
+    for process in processes:
+        if _running(process):
+            subprocess.run(["kill", "-KILL", str(process[0])], check=False)
+
+
+def _start_up(
+    model: Path, log_dir: Path, *extra: str, stderr: int | IO[str] = subprocess.STDOUT
+) -> subprocess.Popen[str]:
+    ports = ["--port", str(free_port()), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
+    return subprocess.Popen(
+        [*CLI, "up", "--model", str(model), *ports, "--log-dir", str(log_dir), "--kv-cache-memory", "64MiB", *extra],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+    )
+
+
+def test_a_killed_launcher_takes_its_services_along(tiny_model_dir: Path, tmp_path: Path) -> None:
+    up = _start_up(tiny_model_dir, tmp_path, "--workers", "2")
+    services: set[Process] = set()
+    try:
+        wait_for_line(up, BANNER, STARTUP_S)
+        services = _children(up.pid)
+        assert len(services) == 4, "a scheduler, two workers and a gateway"
+        up.kill()
+        up.wait()
+        assert not _survivors(services, EXIT_S), "services outlived their SIGKILLed launcher"
+    finally:
+        up.kill()
+        up.wait()
+        _kill(services)
+
+
+def test_ctrl_c_stops_every_service_when_stdout_is_gone(tiny_model_dir: Path, tmp_path: Path) -> None:
+    errors = tmp_path / "up.stderr"
+    with errors.open("w") as stderr:
+        up = _start_up(tiny_model_dir, tmp_path, stderr=stderr)
+    services: set[Process] = set()
+    try:
+        wait_for_line(up, BANNER, STARTUP_S)
+        services = _children(up.pid)
+        assert len(services) == 3
+        assert up.stdout is not None
+        up.stdout.close()  # `| tee` dies first on Ctrl-C: the "stopping..." line meets a closed pipe
+        up.send_signal(signal.SIGINT)
+        assert up.wait(EXIT_S) == 0, errors.read_text()
+        assert not _survivors(services, 0), "the launcher exited before stopping its services"
+        assert "Error" not in errors.read_text()
+    finally:
+        up.kill()
+        up.wait()
+        _kill(services)
