@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.proto.meshserve.v1 import scheduler_pb2
 from services.common.sampling_checks import (
     MAX_EOS_TOKEN_IDS,
@@ -26,6 +27,10 @@ from services.scheduler.submissions import Failure
 # Request ids are internal keys chosen by the gateway; a cap keeps a hostile caller's id from being copied
 # into every event and log line.
 MAX_REQUEST_ID_LENGTH = 128
+# One submission's share of an internal message: it travels on in a Step beside others, and the planner
+# keeps a Step's new requests under half the limit (worker_scheduler.STEP_NEW_REQUEST_BYTES), so one
+# request accepted here can always be sent to a worker.
+MAX_SUBMISSION_BYTES = MAX_MESSAGE_BYTES // 8
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,10 @@ def admit(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits, now: float |
 
 def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
     """Raise InvalidField for the first bad field; returns the resolved max_tokens."""
+    if submit.ByteSize() > MAX_SUBMISSION_BYTES:
+        raise InvalidField(
+            "request", f"is {submit.ByteSize()} bytes; a submission may be at most {MAX_SUBMISSION_BYTES}"
+        )
     if not submit.request_id:
         raise InvalidField("request_id", "is empty; the caller must choose a unique id")
     if len(submit.request_id) > MAX_REQUEST_ID_LENGTH:

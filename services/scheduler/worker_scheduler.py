@@ -5,11 +5,24 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, check_stop
 from services.scheduler.waiting_queue import WaitingQueue
+
+# A Step's new requests carry their whole prompt; past this many bytes (an upper estimate) the rest wait for
+# the next step, so a Step always fits the internal message limit however many long prompts arrive at once.
+STEP_NEW_REQUEST_BYTES = MAX_MESSAGE_BYTES // 2
+# Upper bound of one token id on the wire (a varint of an int32 id) and of a NewRequest's other fields.
+_TOKEN_BYTES = 5
+_NEW_REQUEST_OVERHEAD = 1024
+
+
+def new_request_bytes(request: Request) -> int:
+    """An upper estimate of the request's NewRequest on the wire."""
+    return _NEW_REQUEST_OVERHEAD + request.sampling.ByteSize() + _TOKEN_BYTES * request.num_tokens
 
 
 @dataclass
@@ -146,6 +159,7 @@ class WorkerScheduler:
             i += 1
 
         planned_new: list[_Planned] = []
+        new_bytes = 0
         if not preempted and admit:
             while budget > 0 and len(self.running) < self.max_num_seqs and len(self.waiting) > 0:
                 head = self.waiting.peek()
@@ -154,6 +168,10 @@ class WorkerScheduler:
                 if request.is_finished:
                     self.waiting.popleft()  # aborted while queued but not taken out: skip it
                     continue
+                size = new_request_bytes(request)
+                if planned_new and new_bytes + size > STEP_NEW_REQUEST_BYTES:
+                    break
+                new_bytes += size
                 hits, num_hit = self.kv.get_computed_blocks(request)
                 num_new = min(request.num_tokens - num_hit, budget)
                 new_ids = self.kv.allocate_slots(request, num_new, hits)

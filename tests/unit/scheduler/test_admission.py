@@ -70,3 +70,11 @@ def test_bad_submissions_name_the_field(kwargs: dict[str, object], field: str) -
     assert isinstance(failure, Failure)
     assert failure.code is grpc.StatusCode.INVALID_ARGUMENT
     assert failure.field == field
+
+
+def test_a_submission_too_big_for_a_step_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.scheduler import admission
+
+    monkeypatch.setattr(admission, "MAX_SUBMISSION_BYTES", 64)
+    failure = admit(submit(prompt_token_ids=[1] * 200), ModelLimits(1000, 50, 1000))
+    assert isinstance(failure, Failure) and failure.field == "request"

@@ -515,3 +515,19 @@ def test_eos_drops_the_token_planned_meanwhile() -> None:
     assert r.output_token_ids == [EOS]
     removal = sched.schedule()
     assert removal is not None and list(removal.removed_request_ids) == ["a"]
+
+
+def test_new_requests_of_one_step_stay_under_the_message_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.scheduler import worker_scheduler
+
+    waiting = WaitingQueue()
+    sched = make_sched(waiting, max_num_batched_tokens=256)
+    a, b = make_req("a", list(range(10, 50))), make_req("b", list(range(60, 100)))
+    monkeypatch.setattr(worker_scheduler, "STEP_NEW_REQUEST_BYTES", worker_scheduler.new_request_bytes(a) + 10)
+    waiting.append(a)
+    waiting.append(b)
+    first = sched.schedule()
+    assert first is not None and [n.request_id for n in first.new_requests] == ["a"]
+    second = sched.schedule()
+    assert second is not None and [n.request_id for n in second.new_requests] == ["b"]
+    assert worker_scheduler.new_request_bytes(a) >= first.new_requests[0].ByteSize()
