@@ -72,6 +72,7 @@ def _prefix_caching(enabled: bool | None) -> list[str]:
 def scheduler_args(ns: argparse.Namespace) -> list[str]:
     """The scheduler's flags from `up`'s; unset ones stay absent so the scheduler's defaults apply."""
     return [
+        *_optional("--max-model-len", ns.max_model_len),
         *_optional("--max-num-seqs", ns.max_num_seqs),
         *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
         *_prefix_caching(ns.enable_prefix_caching),
@@ -84,6 +85,8 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
     return [
         "--kv-cache-memory",
         ns.kv_cache_memory,
+        # The worker sizes its KV cache for it; the gateway learns it from the scheduler.
+        *_optional("--max-model-len", ns.max_model_len),
         *_optional("--device", ns.device),
         *_optional("--dtype", ns.dtype),
         *_optional("--precision", ns.precision),
@@ -141,7 +144,6 @@ async def run(ns: argparse.Namespace) -> int:
             scheduler_port=ns.scheduler_port,
             worker_ports=[ns.worker_port + i for i in range(ns.workers)],
             gateway_port=ns.port,
-            common_args=_optional("--max-model-len", ns.max_model_len),
             scheduler_args=scheduler_args(ns),
             worker_args=worker_args(ns),
         )

@@ -1,12 +1,13 @@
-"""Canonical gRPC errors with google.rpc details (BadRequest field violations)."""
+"""Canonical gRPC errors with google.rpc details (BadRequest field violations, RetryInfo)."""
 
 from __future__ import annotations
 
 from typing import NoReturn
 
 import grpc
-from google.protobuf import any_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from google.protobuf import any_pb2, duration_pb2
+from google.protobuf.message import Message
+from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
 from services.common.proto.meshserve.v1.scheduler_pb2 import RequestError
@@ -15,16 +16,49 @@ _DETAILS_KEY = "grpc-status-details-bin"
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
 
 
+class StatusError(Exception):
+    """Ends the current call with `status`; handlers raise it and abort in one place."""
+
+    def __init__(self, status: grpc.Status) -> None:
+        super().__init__(f"{status.code.name}: {status.details}")
+        self.status = status
+
+
+def make_status(code: grpc.StatusCode, message: str, *details: Message) -> grpc.Status:
+    """A status with google.rpc details packed into grpc-status-details-bin."""
+    packed = []
+    for detail in details:
+        any_detail = any_pb2.Any()
+        any_detail.Pack(detail)
+        packed.append(any_detail)
+    return rpc_status.to_status(status_pb2.Status(code=code.value[0], message=message, details=packed))
+
+
 def invalid_argument_status(field: str, description: str) -> grpc.Status:
     """INVALID_ARGUMENT naming the field, with a BadRequest detail clients can read."""
-    detail = any_pb2.Any()
-    detail.Pack(
-        error_details_pb2.BadRequest(
-            field_violations=[error_details_pb2.BadRequest.FieldViolation(field=field, description=description)]
-        )
+    violation = error_details_pb2.BadRequest.FieldViolation(field=field, description=description)
+    return make_status(
+        grpc.StatusCode.INVALID_ARGUMENT,
+        f"{field}: {description}",
+        error_details_pb2.BadRequest(field_violations=[violation]),
     )
-    status = status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=f"{field}: {description}", details=[detail])
-    return rpc_status.to_status(status)
+
+
+def retry_status(code: grpc.StatusCode, message: str, retry_after_seconds: float) -> grpc.Status:
+    """A status advising when to retry (google.rpc.RetryInfo); no advice when retry_after_seconds <= 0."""
+    if retry_after_seconds <= 0:
+        return make_status(code, message)
+    delay = duration_pb2.Duration()
+    delay.FromNanoseconds(round(retry_after_seconds * 1e9))
+    return make_status(code, message, error_details_pb2.RetryInfo(retry_delay=delay))
+
+
+def request_error_status(error: RequestError) -> grpc.Status:
+    """The status a scheduler's RequestError stands for, with its field or its retry advice as details."""
+    if error.field:
+        return invalid_argument_status(error.field, error.description)
+    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
+    return retry_status(code, error.message, error.retry_after_seconds)
 
 
 async def abort_invalid_argument(context: grpc.aio.ServicerContext, field: str, description: str) -> NoReturn:
@@ -35,22 +69,32 @@ async def abort_invalid_argument(context: grpc.aio.ServicerContext, field: str, 
 
 async def abort_with_request_error(context: grpc.aio.ServicerContext, error: RequestError) -> NoReturn:
     """Fail the call with a status the scheduler reported for one request (the field too, if it named one)."""
-    if error.field:
-        await abort_invalid_argument(context, error.field, error.description)
-    code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    await context.abort(code, error.message)
+    await context.abort_with_status(request_error_status(error))
     raise AssertionError("abort returned")  # pragma: no cover - abort always raises
+
+
+def _details(error: grpc.aio.AioRpcError) -> list[any_pb2.Any]:
+    out: list[any_pb2.Any] = []
+    for key, value in error.trailing_metadata() or ():
+        if key == _DETAILS_KEY and isinstance(value, bytes):
+            out.extend(status_pb2.Status.FromString(value).details)
+    return out
 
 
 def field_violations(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
     """The (field, description) pairs of a BadRequest detail in a received error."""
     out: list[tuple[str, str]] = []
-    for key, value in error.trailing_metadata() or ():
-        if key != _DETAILS_KEY or not isinstance(value, bytes):
-            continue
-        status = status_pb2.Status.FromString(value)
-        for detail in status.details:
-            bad = error_details_pb2.BadRequest()
-            if detail.Unpack(bad):
-                out.extend((v.field, v.description) for v in bad.field_violations)
+    for detail in _details(error):
+        bad = error_details_pb2.BadRequest()
+        if detail.Unpack(bad):
+            out.extend((v.field, v.description) for v in bad.field_violations)
     return out
+
+
+def retry_delay(error: grpc.aio.AioRpcError) -> float | None:
+    """Seconds a received error's RetryInfo advises waiting, or None without one."""
+    for detail in _details(error):
+        info = error_details_pb2.RetryInfo()
+        if detail.Unpack(info):
+            return float(info.retry_delay.ToNanoseconds()) / 1e9
+    return None

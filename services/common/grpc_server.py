@@ -17,18 +17,29 @@ from prometheus_client import start_http_server
 from services.common.request_context import RequestIdInterceptor
 from services.common.settings import ServiceSettings
 
-# Token streams are small, but prompts of token ids can be long.
+# Between our own services: token streams are small, but prompts of token ids can be long.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-SERVER_OPTIONS: tuple[tuple[str, int], ...] = (
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # Two services must never share one port by accident.
-    ("grpc.so_reuseport", 0),
-)
+# What the gateway's public port accepts in one message. Anything larger is refused by grpc with
+# RESOURCE_EXHAUSTED before it is parsed; 4 MiB (grpc's own default) holds any prompt that can fit
+# in a model's context, so a client cannot make the gateway hold 64 MiB per call.
+PUBLIC_MAX_RECEIVE_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+def server_options(max_receive_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[tuple[str, int], ...]:
+    """gRPC server options; only the receive limit differs between a public and an internal port."""
+    return (
+        ("grpc.max_receive_message_length", max_receive_message_bytes),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Two services must never share one port by accident.
+        ("grpc.so_reuseport", 0),
+    )
+
+
+SERVER_OPTIONS = server_options()
 CHANNEL_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -47,11 +58,23 @@ log = structlog.get_logger()
 class GrpcService:
     """One service's gRPC server with the standard extras every meshserve service has."""
 
-    def __init__(self, name: str, settings: ServiceSettings, service_names: Sequence[str]) -> None:
+    def __init__(
+        self,
+        name: str,
+        settings: ServiceSettings,
+        service_names: Sequence[str],
+        *,
+        max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
+        interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+    ) -> None:
+        """`interceptors` None: the standard RequestIdInterceptor (the gateway binds its own ids)."""
         self.name = name
         self.settings = settings
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(interceptors=[RequestIdInterceptor()], options=SERVER_OPTIONS)
+        self.server = grpc.aio.server(
+            interceptors=[RequestIdInterceptor()] if interceptors is None else list(interceptors),
+            options=server_options(max_receive_message_bytes),
+        )
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -97,6 +120,11 @@ class GrpcService:
     def request_stop(self) -> None:
         """Ask run_until_stopped to begin draining."""
         self._stop.set()
+
+    @property
+    def stopping(self) -> bool:
+        """A stop was requested: health stays NOT_SERVING from now on, whatever else changes."""
+        return self._stop.is_set()
 
     async def run_until_stopped(self, drain: Callable[[float], Awaitable[None]] | None = None) -> None:
         """Serve until a stop is requested, then drain: NOT_SERVING, let streams finish, stop."""

@@ -7,6 +7,15 @@ from collections.abc import Sequence
 
 from services.common.proto.meshserve.v1 import sampling_pb2
 
+# Caps on every repeated field of a request. The gateway and the scheduler both check them, so a
+# request one accepts is never refused by the other for its size, and no list a client sends grows
+# work or memory without bound on any hop.
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_EOS_TOKEN_IDS = 64
+MAX_CHAT_MESSAGES = 256
+
 
 class InvalidField(ValueError):
     """A request field is wrong; `field` names it and the message says how to fix it."""
@@ -17,8 +26,14 @@ class InvalidField(ValueError):
         self.description = description
 
 
+def check_count(count: int, cap: int, field: str, what: str) -> None:
+    """Raise InvalidField when a repeated field holds more than `cap` items."""
+    if count > cap:
+        raise InvalidField(field, f"at most {cap} {what} are allowed; got {count}")
+
+
 def check_sampling(params: sampling_pb2.SamplingParams, vocab_size: int | None = None) -> None:
-    """Raise InvalidField for the first sampling parameter out of range."""
+    """Raise InvalidField for the first sampling parameter out of range or over its cap."""
     if params.HasField("max_tokens") and params.max_tokens < 1:
         raise InvalidField(
             "sampling.max_tokens", f"max_tokens must be >= 1 (or unset for no limit); got {params.max_tokens}"
@@ -31,8 +46,30 @@ def check_sampling(params: sampling_pb2.SamplingParams, vocab_size: int | None =
         raise InvalidField("sampling.top_p", f"top_p must be in (0, 1]; got {params.top_p:g} (1 = off)")
     if params.HasField("top_k") and params.top_k < -1:
         raise InvalidField("sampling.top_k", f"top_k must be >= -1 (0 or -1 = off); got {params.top_k}")
+    check_stop_strings(params.stop)
+    check_count(len(params.stop_token_ids), MAX_STOP_TOKEN_IDS, "sampling.stop_token_ids", "stop token ids")
     if vocab_size is not None:
         check_token_ids(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+
+
+def check_stop_strings(stops: Sequence[str]) -> None:
+    """At most MAX_STOP_STRINGS non-empty strings of at most MAX_STOP_STRING_CHARS characters each."""
+    check_count(len(stops), MAX_STOP_STRINGS, "sampling.stop", "stop strings")
+    for i, stop in enumerate(stops):
+        if not stop:
+            raise InvalidField(f"sampling.stop[{i}]", "stop strings must not be empty; remove it")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            raise InvalidField(
+                f"sampling.stop[{i}]",
+                f"stop string is {len(stop)} characters; the limit is {MAX_STOP_STRING_CHARS}, shorten it",
+            )
+
+
+def check_eos_token_ids(ids: Sequence[int], vocab_size: int | None = None) -> None:
+    """The eos ids a caller sends with a submission: at most MAX_EOS_TOKEN_IDS, inside the vocabulary."""
+    check_count(len(ids), MAX_EOS_TOKEN_IDS, "eos_token_ids", "eos token ids")
+    if vocab_size is not None:
+        check_token_ids(ids, vocab_size, "eos_token_ids")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, field: str) -> None:

@@ -18,6 +18,12 @@ class GatewayMetrics:
         self.requests_rejected = Counter(
             "meshserve:requests_rejected", "Requests refused as invalid", registry=registry
         )
+        self.requests_refused = Counter(
+            "meshserve:requests_refused",
+            "Requests refused before they started (over a concurrency cap, no scheduler ready, draining)",
+            ["reason"],
+            registry=registry,
+        )
         self.requests_cancelled = Counter(
             "meshserve:requests_cancelled", "Requests whose client left or that failed", registry=registry
         )

@@ -10,6 +10,7 @@ from google.protobuf.descriptor import Descriptor, FieldDescriptor, FileDescript
 from google.protobuf.message import DecodeError, Message
 
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
+from services.common.sampling_checks import MAX_CHAT_MESSAGES, MAX_STOP_STRINGS, check_count
 from services.gateway.validation import ValidationError
 
 _PACKAGE = "meshserve.v1"
@@ -104,6 +105,10 @@ def parse_generate_request(data: bytes) -> generation_pb2.GenerateRequest:
             f"the request is not a valid meshserve.v1.GenerateRequest message ({first_error}); "
             "build it with the generated meshserve.v1 stubs",
         ) from first_error
+    # The caps on repeated strings first: walking a million chat messages for the bad one would hold
+    # the event loop for seconds.
+    check_count(len(raw.chat.messages), MAX_CHAT_MESSAGES, "chat.messages", "chat messages")  # type: ignore[attr-defined]
+    check_count(len(raw.sampling.stop), MAX_STOP_STRINGS, "sampling.stop", "stop strings")  # type: ignore[attr-defined]
     path = _first_invalid_utf8(raw)
     if path is None:
         raise ValidationError(

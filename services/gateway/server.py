@@ -1,57 +1,104 @@
-"""`meshserve gateway`: the public Generation API in front of the scheduler."""
+"""`meshserve gateway`: the public Generation API in front of one or more schedulers."""
 
 from __future__ import annotations
 
-import asyncio
+from concurrent.futures import ThreadPoolExecutor
 
-import grpc
 import structlog
 
-from services.common.channels import insecure_channel
-from services.common.grpc_server import GrpcService
+from services.common.grpc_server import PUBLIC_MAX_RECEIVE_MESSAGE_BYTES, GrpcService
 from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
-from services.common.proto.meshserve.v1 import scheduler_pb2_grpc
+from services.common.sampling_checks import InvalidField, check_eos_token_ids
+from services.gateway.admission import Admission
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.scheduler_stream import SchedulerStream
+from services.gateway.scheduler_pool import SchedulerPool
 from services.gateway.servicer import SERVICE_NAME, GenerationServicer
 from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TextTokenizer
-from services.gateway.validation import Limits
 
 log = structlog.get_logger()
+
+
+class Gateway:
+    """The gateway's parts wired together: the public server, the scheduler pool, admission, tokenizer threads.
+
+    Health is SERVING only while some scheduler answers GetModelInfo with a ready worker, and never
+    again once a stop was requested.
+    """
+
+    def __init__(self, settings: GatewaySettings, tokenizer: TextTokenizer, metrics: GatewayMetrics | None = None):
+        try:
+            check_eos_token_ids(tokenizer.eos_token_ids)
+        except InvalidField as err:
+            raise ValueError(f"the model's tokenizer configuration lists too many eos ids: {err}") from err
+        self.settings = settings
+        # The gateway binds its own request ids (request_ids.py), so no RequestIdInterceptor here.
+        self.service = GrpcService(
+            "gateway",
+            settings,
+            [SERVICE_NAME],
+            max_receive_message_bytes=PUBLIC_MAX_RECEIVE_MESSAGE_BYTES,
+            interceptors=(),
+        )
+        self.pool = SchedulerPool(
+            settings.scheduler_addresses,
+            max_buffered_tokens=settings.stream_buffer_tokens,
+            poll_interval=settings.scheduler_poll_interval,
+            poll_timeout=settings.scheduler_poll_timeout,
+            load_slack=settings.routing_load_slack,
+            on_health_change=self._on_health_change,
+        )
+        admission = Admission(
+            settings.max_concurrent_requests, settings.max_concurrent_requests_per_client, settings.retry_after
+        )
+        self._executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
+        self.servicer = GenerationServicer(
+            tokenizer,
+            self.pool,
+            admission,
+            self._executor,
+            metrics or GatewayMetrics(),
+            write_timeout=settings.stream_write_timeout,
+        )
+        self.service.server.add_generic_rpc_handlers((self.servicer.handlers(),))
+
+    async def _on_health_change(self, healthy: bool) -> None:
+        if self.service.stopping:
+            return  # draining: health stays NOT_SERVING
+        await self.service.set_serving(healthy)
+        log.info("serving" if healthy else "not serving: no scheduler with a ready worker")
+
+    @property
+    def address(self) -> str:
+        """host:port of the public listener, once started."""
+        return f"{self.settings.host}:{self.service.port}"
+
+    async def start(self) -> int:
+        """Listen (NOT_SERVING until a scheduler is ready) and start polling; returns the port."""
+        port = await self.service.start()
+        await self.pool.start()
+        return port
+
+    async def run_until_stopped(self) -> None:
+        """Serve until request_stop() (or a signal), drain, then close everything."""
+        try:
+            await self.service.run_until_stopped(self.servicer.drain)
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """End the scheduler streams and tokenizer threads (after the server stopped)."""
+        await self.pool.close()
+        self._executor.shutdown(wait=False, cancel_futures=True)
 
 
 async def serve(settings: GatewaySettings) -> None:
     """Serve until SIGTERM/SIGINT, then let in-flight streams finish within the grace period."""
     configure_logging("gateway", settings.log_level, settings.log_format)
     model_dir = resolve_model_path(settings.model)
-    tokenizer = TextTokenizer.from_dir(model_dir)
-    max_model_len = settings.max_model_len or tokenizer.max_position_embeddings
-    if max_model_len is None:
-        raise ValueError("the model config has no max_position_embeddings; pass --max-model-len")
-    limits = Limits(max_model_len=max_model_len, vocab_size=tokenizer.vocab_size)
-    service = GrpcService("gateway", settings, [SERVICE_NAME])
-    async with insecure_channel(settings.scheduler_address) as channel:
-        scheduler = SchedulerStream(scheduler_pb2_grpc.SchedulerStub(channel))
-        servicer = GenerationServicer(tokenizer, scheduler, limits, GatewayMetrics())
-        service.server.add_generic_rpc_handlers((servicer.handlers(),))
-        service.install_signal_handlers()
-        await service.start()
-        await _wait_for_scheduler(channel, settings.scheduler_address)
-        await service.set_serving(True)
-        log.info("gateway ready", model=str(model_dir), max_model_len=max_model_len)
-        try:
-            await service.run_until_stopped(servicer.drain)
-        finally:
-            await scheduler.close()
-
-
-async def _wait_for_scheduler(channel: grpc.aio.Channel, address: str) -> None:
-    """Block until the scheduler's port answers, logging while it does not."""
-    while True:
-        try:
-            await asyncio.wait_for(channel.channel_ready(), timeout=5.0)
-            return
-        except TimeoutError:
-            log.warning("scheduler not reachable yet", scheduler=address)
+    gateway = Gateway(settings, TextTokenizer.from_dir(model_dir))
+    gateway.service.install_signal_handlers()
+    await gateway.start()
+    log.info("gateway started", model=str(model_dir), schedulers=settings.scheduler_addresses)
+    await gateway.run_until_stopped()

@@ -1,36 +1,44 @@
-"""The public Generation service: validate, tokenize, submit, detokenize, stop strings."""
+"""The public Generation service: admit, validate, tokenize, route, submit, stream back.
+
+Every way a call can fail is a StatusError raised where it is found; _handle turns it into the
+call's status in one place, so no code path aborts half-way through a stream by itself.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
 import structlog
 
-from services.common.errors import abort_invalid_argument, abort_with_request_error
-from services.common.proto.meshserve.v1 import (
-    generation_pb2,
-    sampling_pb2,
-    scheduler_pb2,
-)
-from services.common.request_context import (
-    bound_request_id,
-    new_request_id,
-    request_id_from_metadata,
-)
-from services.gateway.detokenizer import IncrementalDetokenizer
+from services.common.errors import StatusError, invalid_argument_status, make_status, request_error_status, retry_status
+from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
+from services.common.request_context import bound_request_id
+from services.gateway.admission import Admission, client_key
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.output import OutputProcessor
 from services.gateway.raw_request import parse_generate_request
-from services.gateway.scheduler_stream import SchedulerStream
-from services.gateway.stop_strings import StopStringMatcher
+from services.gateway.request_ids import RequestIds, request_ids
+from services.gateway.scheduler_pool import SchedulerBackend, SchedulerPool
 from services.gateway.tokenizer import TextTokenizer
-from services.gateway.validation import Limits, ResolvedRequest, ValidationError, validate_and_resolve
+from services.gateway.validation import (
+    Limits,
+    ResolvedRequest,
+    ValidationError,
+    check_input,
+    encode_input,
+    finish,
+)
 
 log = structlog.get_logger()
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+NO_SCHEDULER = "no scheduler with a ready worker is available; retry later"
+
+Emit = Callable[[generation_pb2.GenerateResponse], Awaitable[None]]
 
 
 @dataclass
@@ -40,6 +48,17 @@ class _Accumulated:
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    last: generation_pb2.GenerateResponse | None = None
+
+    async def add(self, response: generation_pb2.GenerateResponse) -> None:
+        self.text.append(response.text)
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(response.logprobs)
+        self.last = response
+
+
+def _invalid(err: ValidationError) -> StatusError:
+    return StatusError(invalid_argument_status(err.field, err.description))
 
 
 class GenerationServicer:
@@ -48,23 +67,26 @@ class GenerationServicer:
     def __init__(
         self,
         tokenizer: TextTokenizer,
-        scheduler: SchedulerStream,
-        limits: Limits,
+        pool: SchedulerPool,
+        admission: Admission,
+        executor: Executor,
         metrics: GatewayMetrics,
+        *,
+        write_timeout: float,
     ) -> None:
         self.tokenizer = tokenizer
-        self.scheduler = scheduler
-        self.limits = limits
+        self.pool = pool
+        self.admission = admission
         self.metrics = metrics
         self.draining = False
-        self._in_flight = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
+        # Tokenization and chat templates run here, off the event loop (`tokenizers` releases the GIL).
+        self._executor = executor
+        self._write_timeout = write_timeout
 
     async def drain(self, grace: float) -> None:
         """Refuse new calls and wait for in-flight streams (health stays reachable, NOT_SERVING)."""
         self.draining = True
-        await self._idle.wait()
+        await self.admission.wait_idle()
 
     def handlers(self) -> grpc.GenericRpcHandler:
         """Method handlers without a request deserializer, so bad bytes become INVALID_ARGUMENT."""
@@ -80,135 +102,175 @@ class GenerationServicer:
             },
         )
 
-    async def _prepare(self, raw: bytes, context: grpc.aio.ServicerContext) -> tuple[str, ResolvedRequest]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another replica")
-        try:
-            request = parse_generate_request(raw)
-            resolved = validate_and_resolve(request, self.tokenizer, self.limits)
-        except ValidationError as err:
-            self.metrics.requests_rejected.inc()
-            await abort_invalid_argument(context, err.field, err.description)
-        request_id = request.request_id or request_id_from_metadata(context) or new_request_id()
-        return request_id, resolved
+    async def generate(self, raw: bytes, context: grpc.aio.ServicerContext) -> None:
+        """Stream the answer with context.write, so that a client that stops reading can be timed out."""
 
-    async def generate(
-        self, raw: bytes, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        request_id, resolved = await self._prepare(raw, context)
-        with bound_request_id(request_id):
-            async for response in self._stream(request_id, resolved, context):
-                yield response
+        async def write(response: generation_pb2.GenerateResponse) -> None:
+            try:
+                await asyncio.wait_for(context.write(response), timeout=self._write_timeout)
+            except TimeoutError:
+                raise StatusError(
+                    make_status(
+                        grpc.StatusCode.DEADLINE_EXCEEDED,
+                        f"the client reads too slowly: a response waited {self._write_timeout:g}s to be sent "
+                        "(--stream-write-timeout); read the stream as it arrives",
+                    )
+                ) from None
+
+        await self._handle(raw, context, write)
 
     async def complete(self, raw: bytes, context: grpc.aio.ServicerContext) -> generation_pb2.CompleteResponse:
-        request_id, resolved = await self._prepare(raw, context)
         acc = _Accumulated()
-        with bound_request_id(request_id):
-            async for response in self._stream(request_id, resolved, context):
-                acc.text.append(response.text)
-                acc.token_ids.extend(response.token_ids)
-                acc.logprobs.extend(response.logprobs)
-                if response.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED:
-                    return generation_pb2.CompleteResponse(
-                        request_id=request_id,
-                        text="".join(acc.text),
-                        token_ids=acc.token_ids,
-                        logprobs=acc.logprobs,
-                        finish_reason=response.finish_reason,
-                        usage=response.usage,
-                        stop_reason=response.stop_reason,
-                    )
-        await context.abort(grpc.StatusCode.INTERNAL, "the scheduler ended the stream without a finish reason")
-        raise AssertionError("unreachable")
+        ids = await self._handle(raw, context, acc.add)
+        last = acc.last
+        assert last is not None and last.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
+        return generation_pb2.CompleteResponse(
+            request_id=ids.public,
+            text="".join(acc.text),
+            token_ids=acc.token_ids,
+            logprobs=acc.logprobs,
+            finish_reason=last.finish_reason,
+            usage=last.usage,
+            stop_reason=last.stop_reason,
+        )
 
-    def _is_stop_token(self, token_id: int, event: scheduler_pb2.TokenEvent, ignore_eos: bool) -> bool:
-        if event.HasField("stop_token_id"):
-            return token_id == event.stop_token_id
-        return not ignore_eos and token_id in self.tokenizer.eos_token_ids
+    async def _handle(self, raw: bytes, context: grpc.aio.ServicerContext, emit: Emit) -> RequestIds:
+        """Run one call to its end; any StatusError becomes the call's status."""
+        try:
+            request, ids = self._accept(raw, context)
+            client = client_key(context.peer())
+            self._admit(client)
+            try:
+                client_id = {"client_request_id": ids.client} if ids.client else {}
+                with bound_request_id(ids.internal, **client_id):
+                    await self._run(request, ids, client, context, emit)
+            finally:
+                self.admission.release(client)
+            return ids
+        except StatusError as err:
+            await context.abort_with_status(err.status)
+            raise AssertionError("abort_with_status returned") from err  # pragma: no cover
 
-    async def _stream(
-        self, request_id: str, resolved: ResolvedRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        sampling = resolved.sampling
+    def _accept(
+        self, raw: bytes, context: grpc.aio.ServicerContext
+    ) -> tuple[generation_pb2.GenerateRequest, RequestIds]:
+        """The parsed request and its ids, unless the gateway drains or the bytes or ids are bad."""
+        if self.draining:
+            self.metrics.requests_refused.labels(reason="draining").inc()
+            raise StatusError(make_status(grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another replica"))
+        try:
+            request = parse_generate_request(raw)
+            return request, request_ids(request, context)
+        except ValidationError as err:
+            self.metrics.requests_rejected.inc()
+            raise _invalid(err) from err
+
+    def _admit(self, client: str) -> None:
+        """Take a concurrency slot (released by _handle), or refuse at once with retry advice."""
+        refusal = self.admission.try_acquire(client)
+        if refusal is not None:
+            self.metrics.requests_refused.labels(reason="concurrency").inc()
+            raise StatusError(retry_status(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after))
+
+    def _limits(self) -> Limits:
+        model = self.pool.limits()
+        if model is None:
+            self.metrics.requests_refused.labels(reason="no_scheduler").inc()
+            raise StatusError(retry_status(grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after))
+        return Limits(model.max_model_len, model.vocab_size, self.tokenizer.max_token_bytes)
+
+    async def _resolve(self, request: generation_pb2.GenerateRequest, limits: Limits) -> ResolvedRequest:
+        try:
+            checked = check_input(request, limits)
+            if checked.token_ids is not None:
+                prompt_ids = checked.token_ids
+            else:
+                loop = asyncio.get_running_loop()
+                prompt_ids = await loop.run_in_executor(self._executor, encode_input, checked, self.tokenizer)
+            return finish(request, checked, prompt_ids, limits)
+        except ValidationError as err:
+            self.metrics.requests_rejected.inc()
+            raise _invalid(err) from err
+
+    def _pick(self, prompt_token_ids: Sequence[int]) -> SchedulerBackend:
+        backend = self.pool.pick(prompt_token_ids)
+        if backend is None:
+            self.metrics.requests_refused.labels(reason="no_scheduler").inc()
+            raise StatusError(retry_status(grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after))
+        return backend
+
+    def _submission(
+        self, ids: RequestIds, resolved: ResolvedRequest, context: grpc.aio.ServicerContext
+    ) -> scheduler_pb2.SubmitRequest:
         submit = scheduler_pb2.SubmitRequest(
-            request_id=request_id,
+            request_id=ids.internal,
             prompt_token_ids=resolved.prompt_token_ids,
-            sampling=sampling,
+            sampling=resolved.sampling,
             eos_token_ids=self.tokenizer.eos_token_ids,
         )
-        detok = IncrementalDetokenizer(self.tokenizer, resolved.prompt_token_ids)
-        stops = StopStringMatcher(list(sampling.stop))
-        usage = generation_pb2.Usage(prompt_tokens=len(resolved.prompt_token_ids))
-        self.metrics.requests_started.inc()
-        self._in_flight += 1
-        self._idle.clear()
-        log.info("generate", input=resolved.input_kind, prompt_tokens=usage.prompt_tokens)
-        events = self.scheduler.submit(submit)
-        finished = False
-        started, first_token_at = time.monotonic(), None
-        try:
-            while True:
-                item = await events.get()
-                if item.HasField("error"):
-                    # Pass the scheduler's verdict on, with the field for INVALID_ARGUMENT.
-                    finished = True
-                    await abort_with_request_error(context, item.error)
-                event = item.tokens
-                ids = list(event.token_ids)
-                usage.completion_tokens += len(ids)
-                usage.cached_tokens = max(usage.cached_tokens, event.num_cached_tokens)
-                final = event.finish_reason != sampling_pb2.FINISH_REASON_UNSPECIFIED
-                text_ids, stop_reason = ids, ""
-                if (
-                    final
-                    and event.finish_reason == sampling_pb2.FINISH_REASON_STOP
-                    and ids
-                    and self._is_stop_token(ids[-1], event, sampling.ignore_eos)
-                ):
-                    # A stop or EOS token ends the answer; its text is not part of it.
-                    text_ids = ids[:-1]
-                    if event.HasField("stop_token_id"):
-                        stop_reason = str(event.stop_token_id)
-                delta = detok.add(text_ids)
-                if final:
-                    # Text held back for an unfinished multi-byte character is due now.
-                    delta += detok.flush()
-                emit, matched = stops.feed(delta)
-                response = generation_pb2.GenerateResponse(
-                    request_id=request_id, text=emit, token_ids=ids, logprobs=event.logprobs
+        # The client's deadline travels on, so the scheduler drops the request once nobody waits for it.
+        remaining = context.time_remaining()
+        if remaining is not None:
+            if remaining <= 0:
+                raise StatusError(
+                    make_status(grpc.StatusCode.DEADLINE_EXCEEDED, "the call's deadline passed before it was submitted")
                 )
-                if matched is not None:
-                    # Ends the request at the scheduler too.
-                    self.scheduler.abort(request_id)
-                    response.finish_reason = sampling_pb2.FINISH_REASON_STOP
-                    response.stop_reason = matched
-                    final = True
-                elif final:
-                    response.text += stops.flush()
-                    response.finish_reason = event.finish_reason
-                    response.stop_reason = stop_reason
-                if final:
-                    response.usage.CopyFrom(usage)
-                    finished = True
-                    self.metrics.observe_finish(response.finish_reason, usage)
-                    log.info(
-                        "finished",
-                        finish_reason=sampling_pb2.FinishReason.Name(response.finish_reason),
-                        completion_tokens=usage.completion_tokens,
-                        cached_tokens=usage.cached_tokens,
-                    )
-                if ids and first_token_at is None:
+            submit.timeout_seconds = remaining
+        return submit
+
+    async def _run(
+        self,
+        request: generation_pb2.GenerateRequest,
+        ids: RequestIds,
+        client: str,
+        context: grpc.aio.ServicerContext,
+        emit: Emit,
+    ) -> None:
+        resolved = await self._resolve(request, self._limits())
+        backend = self._pick(resolved.prompt_token_ids)
+        submit = self._submission(ids, resolved, context)
+        output = OutputProcessor(self.tokenizer, resolved.prompt_token_ids, resolved.sampling.stop)
+        log.info(
+            "generate",
+            input=resolved.input_kind,
+            prompt_tokens=len(resolved.prompt_token_ids),
+            scheduler=backend.address,
+            client=client,
+        )
+        self.metrics.requests_started.inc()
+        events = backend.stream.submit(submit)
+        started, first_token_at = time.monotonic(), None
+        first, finished = True, False
+        try:
+            while not finished:
+                event = await events.get()
+                if event.HasField("error"):
+                    raise StatusError(request_error_status(event.error))
+                out = output.process(event.tokens)
+                if out.stopped_by_string:
+                    backend.stream.abort(ids.internal)
+                if first:
+                    out.response.request_id = ids.public
+                    first = False
+                if out.response.token_ids and first_token_at is None:
                     first_token_at = time.monotonic()
                     self.metrics.time_to_first_token.observe(first_token_at - started)
-                yield response
-                if final:
-                    self.metrics.e2e_request_latency.observe(time.monotonic() - started)
-                    return
+                if out.final:
+                    finished = True
+                    self._finished(out.response, time.monotonic() - started)
+                await emit(out.response)
         finally:
             if not finished:
-                # The client went away: free the request's slot and KV blocks at the scheduler.
-                self.scheduler.abort(request_id)
+                # The client went away, was too slow, or the request failed: free its slot and KV blocks.
+                backend.stream.abort(ids.internal)
                 self.metrics.requests_cancelled.inc()
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+
+    def _finished(self, response: generation_pb2.GenerateResponse, elapsed: float) -> None:
+        self.metrics.observe_finish(response.finish_reason, response.usage)
+        self.metrics.e2e_request_latency.observe(elapsed)
+        log.info(
+            "finished",
+            finish_reason=sampling_pb2.FinishReason.Name(response.finish_reason),
+            completion_tokens=response.usage.completion_tokens,
+            cached_tokens=response.usage.cached_tokens,
+        )

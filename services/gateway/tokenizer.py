@@ -21,7 +21,6 @@ SPECIAL_TOKEN_ATTRIBUTES = (
     "cls_token",
     "mask_token",
 )
-_POSITION_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
 
 
 class NoChatTemplateError(ValueError):
@@ -88,13 +87,11 @@ class TextTokenizer:
         chat_template: str | None = None,
         eos_token_ids: Sequence[int] = (),
         vocab_size: int | None = None,
-        max_position_embeddings: int | None = None,
     ) -> None:
         self._tok = tokenizer
         self.special_tokens: dict[str, str] = dict(special_tokens)
         self.chat_template = chat_template
         self.vocab_size: int = vocab_size if vocab_size is not None else tokenizer.get_vocab_size(True)
-        self.max_position_embeddings = max_position_embeddings
         self.bos_token_id = self._token_id(self.special_tokens.get("bos_token"))
         self.eos_token_id = self._token_id(self.special_tokens.get("eos_token"))
         eos: list[int] = []
@@ -108,6 +105,12 @@ class TextTokenizer:
             if tid is not None and tid not in special_ids:
                 special_ids.append(tid)
         self.all_special_ids: list[int] = special_ids
+        # The longest vocabulary entry in UTF-8 bytes: a bound on the input text one token covers, since
+        # byte-level and SentencePiece vocabularies spell each token with at least as many bytes as it
+        # stands for. Used to refuse text too long to fit before spending time tokenizing it.
+        self.max_token_bytes: int = max(
+            (len(token.encode()) for token in tokenizer.get_vocab(with_added_tokens=True)), default=1
+        )
 
     @classmethod
     def from_dir(cls, model_dir: Path) -> TextTokenizer:
@@ -156,10 +159,6 @@ class TextTokenizer:
             *_as_id_list(_config_value(config, "eos_token_id")),
         ]
         vocab = _config_value(config, "vocab_size")
-        max_pos = next(
-            (v for v in (_config_value(config, k) for k in _POSITION_KEYS) if isinstance(v, int) and v > 0),
-            None,
-        )
         return cls(
             tok,
             special_tokens=special,
@@ -167,7 +166,6 @@ class TextTokenizer:
             chat_template=chat_template,
             eos_token_ids=eos_ids,
             vocab_size=vocab if isinstance(vocab, int) and vocab > 0 else None,
-            max_position_embeddings=max_pos,
         )
 
     def _token_id(self, token: str | None) -> int | None:

@@ -13,9 +13,10 @@ import grpc
 
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.proto.meshserve.v1 import scheduler_pb2
+from services.common.request_context import MAX_REQUEST_ID_CHARS
 from services.common.sampling_checks import (
-    MAX_EOS_TOKEN_IDS,
     InvalidField,
+    check_eos_token_ids,
     check_prompt_length,
     check_sampling,
     check_token_ids,
@@ -24,9 +25,6 @@ from services.common.sampling_checks import (
 from services.scheduler.request import Request
 from services.scheduler.submissions import Failure
 
-# Request ids are internal keys chosen by the gateway; a cap keeps a hostile caller's id from being copied
-# into every event and log line.
-MAX_REQUEST_ID_LENGTH = 128
 # One submission's share of an internal message: it travels on in a Step beside others, and the planner
 # keeps a Step's new requests under half the limit (worker_scheduler.STEP_NEW_REQUEST_BYTES), so one
 # request accepted here can always be sent to a worker.
@@ -74,14 +72,13 @@ def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
         )
     if not submit.request_id:
         raise InvalidField("request_id", "is empty; the caller must choose a unique id")
-    if len(submit.request_id) > MAX_REQUEST_ID_LENGTH:
-        raise InvalidField("request_id", f"is {len(submit.request_id)} characters; at most {MAX_REQUEST_ID_LENGTH}")
-    if len(submit.eos_token_ids) > MAX_EOS_TOKEN_IDS:
-        raise InvalidField("eos_token_ids", f"at most {MAX_EOS_TOKEN_IDS} ids; got {len(submit.eos_token_ids)}")
+    if len(submit.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidField("request_id", f"is {len(submit.request_id)} characters; at most {MAX_REQUEST_ID_CHARS}")
+    check_eos_token_ids(submit.eos_token_ids)
     # Lengths before contents: a huge list is refused without walking it.
     check_prompt_length(len(submit.prompt_token_ids), limits.max_model_len, "prompt_token_ids")
     check_token_ids(submit.prompt_token_ids, limits.vocab_size, "prompt_token_ids")
-    check_token_ids(submit.eos_token_ids, limits.vocab_size, "eos_token_ids")
+    check_eos_token_ids(submit.eos_token_ids, limits.vocab_size)
     check_sampling(submit.sampling, limits.vocab_size)
     # Unset max_tokens means "as many as fit": in the model length and in every worker's KV cache. A
     # max_tokens that is set is capped by the model length only; past the KV cache it is refused below.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from google.protobuf.message import DecodeError
 
@@ -95,3 +97,17 @@ def test_mirror_is_private() -> None:
     # The real type is untouched and still rejects bad UTF-8 on its own.
     real = generation_pb2.GenerateRequest.DESCRIPTOR.fields_by_name["prompt"]
     assert real.type == real.TYPE_STRING
+
+
+@pytest.mark.parametrize(
+    ("fields", "field"),
+    [
+        ({"chat": {"messages": [{"role": "user", "content": b"a"}] * 300 + [{"role": "user", "content": BAD}]}},
+         "chat.messages"),
+        ({"prompt": b"ok", "sampling": {"stop": [b"s"] * 20 + [BAD]}}, "sampling.stop"),
+    ],
+)  # fmt: skip
+def test_caps_come_before_the_search_for_bad_utf8(fields: dict[str, Any], field: str) -> None:
+    # Searching a huge list for its one bad string would hold the event loop; its size is refused first.
+    err = _field(encode_raw_request(**fields))
+    assert err.field == field and "at most" in err.description

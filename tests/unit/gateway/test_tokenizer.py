@@ -102,7 +102,6 @@ def test_chat_template_jinja_file_wins(tmp_path: Path) -> None:
 def test_model_metadata(tiny_dir: Path) -> None:
     tok = TextTokenizer.from_dir(tiny_dir)
     assert tok.vocab_size == 512  # the model's, from config.json, not the tokenizer's 400
-    assert tok.max_position_embeddings == 256
     # generation_config first, then config, then the tokenizer's eos; deduplicated.
     assert tok.eos_token_ids == [2, 0]
     assert tok.eos_token_id == 2
@@ -117,7 +116,6 @@ def test_metadata_fallbacks(tmp_path: Path) -> None:
     (path / "generation_config.json").unlink()
     tok = TextTokenizer.from_dir(path)
     assert tok.vocab_size == 400
-    assert tok.max_position_embeddings is None
     assert tok.eos_token_ids == [2]
 
 
@@ -166,7 +164,6 @@ def test_smollm2_matches_transformers(smollm2_dir: Path) -> None:
     _check_against_transformers(smollm2_dir)
     tok = TextTokenizer.from_dir(smollm2_dir)
     assert tok.vocab_size == 49152
-    assert tok.max_position_embeddings == 8192
     assert tok.eos_token_ids == [2]
 
 

@@ -1,4 +1,4 @@
-"""validate_and_resolve: every rule names its field, and defaults are filled."""
+"""validate_and_resolve: every rule names its field, defaults are filled, sizes are checked before tokenizing."""
 
 from __future__ import annotations
 
@@ -9,11 +9,17 @@ from typing import Any
 import pytest
 
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
+from services.common.sampling_checks import (
+    MAX_CHAT_MESSAGES,
+    MAX_STOP_STRING_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+)
 from services.gateway.tokenizer import TextTokenizer
-from services.gateway.validation import Limits, ValidationError, validate_and_resolve
+from services.gateway.validation import Limits, ValidationError, check_input, validate_and_resolve
 from tests.unit.gateway import build_tiny_model_dir
 
-LIMITS = Limits(max_model_len=64, vocab_size=512, max_stop_strings=3, max_stop_len=8)
+LIMITS = Limits(max_model_len=64, vocab_size=512, max_token_bytes=16)
 
 
 @pytest.fixture(scope="module")
@@ -45,26 +51,27 @@ def test_prompt_defaults(tok: TextTokenizer) -> None:
     assert res.input_kind == "prompt"
     assert res.prompt_token_ids == tok.encode("Hello world")
     sp = res.sampling
-    assert sp.max_tokens == LIMITS.max_model_len - len(res.prompt_token_ids)
+    assert not sp.HasField("max_tokens"), "the scheduler resolves max_tokens, not the gateway"
     assert (sp.temperature, sp.top_p, sp.top_k) == (1.0, 1.0, 0)
     assert sp.HasField("temperature") and sp.HasField("top_p") and sp.HasField("top_k")
     assert not sp.HasField("seed")
     assert not req.sampling.HasField("max_tokens")  # the request itself is untouched
 
 
-def test_explicit_values_kept_and_max_tokens_clamped(tok: TextTokenizer) -> None:
+def test_explicit_values_kept_and_max_tokens_passed_on(tok: TextTokenizer) -> None:
     sampling = {"max_tokens": 5, "temperature": 0.0, "top_p": 0.5, "top_k": -1, "seed": 7, "stop": ["x"]}
     res = validate_and_resolve(_req(sampling), tok, LIMITS)
     sp = res.sampling
     assert (sp.max_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed) == (5, 0.0, 0.5, -1, 7)
     assert list(sp.stop) == ["x"]
+    # Larger than fits: left for the scheduler, which knows its workers' room, to cap.
     res = validate_and_resolve(_req({"max_tokens": 10_000}), tok, LIMITS)
-    assert res.sampling.max_tokens == LIMITS.max_model_len - len(res.prompt_token_ids)
+    assert res.sampling.max_tokens == 10_000
 
 
 def test_chat_and_token_ids(tok: TextTokenizer) -> None:
     chat = _chat(("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Bye"))
-    res = validate_and_resolve(_req(chat=chat), tok, Limits(max_model_len=256, vocab_size=512))
+    res = validate_and_resolve(_req(chat=chat), tok, Limits(max_model_len=256, vocab_size=512, max_token_bytes=16))
     assert res.input_kind == "chat"
     msgs = [{"role": m.role, "content": m.content} for m in chat.messages]
     assert res.prompt_token_ids == tok.encode_chat(msgs)
@@ -105,7 +112,8 @@ def test_template_raise_exception_is_invalid_argument(tmp_path: Path) -> None:
     ("kind", "field"), [("prompt", "prompt"), ("chat", "chat.messages"), ("token_ids", "token_ids.ids")]
 )
 def test_prompt_too_long(tok: TextTokenizer, kind: str, field: str) -> None:
-    limits = Limits(max_model_len=40, vocab_size=512)
+    # 40 tokens of up to 16 bytes: the 450-byte text passes the byte check and fails on its token count.
+    limits = Limits(max_model_len=40, vocab_size=512, max_token_bytes=16)
     long_text = "The quick brown fox jumps over the lazy dog. " * 10
     inputs: dict[str, dict[str, Any]] = {
         "prompt": {"prompt": long_text},
@@ -118,10 +126,43 @@ def test_prompt_too_long(tok: TextTokenizer, kind: str, field: str) -> None:
 
 
 def test_prompt_must_leave_one_token(tok: TextTokenizer) -> None:
-    limits = Limits(max_model_len=4, vocab_size=512)
+    limits = Limits(max_model_len=4, vocab_size=512, max_token_bytes=16)
     assert _error(tok, _req(token_ids=generation_pb2.TokenIds(ids=[1, 2, 3, 4])), limits).field == "token_ids.ids"
     res = validate_and_resolve(_req(token_ids=generation_pb2.TokenIds(ids=[1, 2, 3])), tok, limits)
-    assert res.sampling.max_tokens == 1
+    assert res.prompt_token_ids == [1, 2, 3]
+
+
+class _NoTokenizer:
+    """Fails the test if anything tries to tokenize."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"tokenizer.{name} used for input that should be refused by its size")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"prompt": "x" * (LIMITS.max_text_bytes + 1)}, "prompt"),
+        # Multi-byte characters count as bytes, not characters.
+        ({"prompt": "é" * (LIMITS.max_text_bytes // 2 + 1)}, "prompt"),
+        ({"chat": _chat(("user", "x" * (LIMITS.max_text_bytes // 2)), ("user", "y" * 600))}, "chat.messages"),
+        ({"chat": _chat(*[("user", "hi")] * (MAX_CHAT_MESSAGES + 1))}, "chat.messages"),
+        ({"token_ids": generation_pb2.TokenIds(ids=[600] * 100_000)}, "token_ids.ids"),
+    ],
+)
+def test_oversized_input_refused_before_tokenizing(kwargs: dict[str, Any], field: str) -> None:
+    err = _error(_NoTokenizer(), _req(**kwargs))  # type: ignore[arg-type]
+    assert err.field == field
+    if "prompt" in kwargs:
+        assert f"at most {LIMITS.max_text_bytes} bytes" in err.description and "shorten" in err.description
+
+
+def test_input_at_the_byte_bound_is_tokenized(tok: TextTokenizer) -> None:
+    limits = Limits(max_model_len=1024, vocab_size=512, max_token_bytes=1)
+    checked = check_input(_req(prompt="a" * 1024), limits)
+    assert checked.text == "a" * 1024
+    # 1024 one-byte tokens do not leave room for an answer: refused on the token count instead.
+    assert _error(tok, _req(prompt="a" * 1024), limits).field == "prompt"
 
 
 @pytest.mark.parametrize(
@@ -138,9 +179,14 @@ def test_prompt_must_leave_one_token(tok: TextTokenizer) -> None:
         ({"top_k": -2}, "sampling.top_k", ">= -1"),
         ({"stop_token_ids": [3, 512]}, "sampling.stop_token_ids[1]", "512"),
         ({"stop_token_ids": [-1]}, "sampling.stop_token_ids[0]", "-1"),
-        ({"stop": ["a", "b", "c", "d"]}, "sampling.stop", "at most 3"),
-        ({"stop": ["ok", "123456789"]}, "sampling.stop[1]", "limit is 8"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop", f"at most {MAX_STOP_STRINGS}"),
+        ({"stop": ["ok", "x" * (MAX_STOP_STRING_CHARS + 1)]}, "sampling.stop[1]", f"limit is {MAX_STOP_STRING_CHARS}"),
         ({"stop": ["ok", ""]}, "sampling.stop[1]", "empty"),
+        (
+            {"stop_token_ids": [1] * (MAX_STOP_TOKEN_IDS + 1)},
+            "sampling.stop_token_ids",
+            f"at most {MAX_STOP_TOKEN_IDS}",
+        ),
     ],
 )
 def test_sampling_rules(tok: TextTokenizer, sampling: dict[str, Any], field: str, needle: str) -> None:
@@ -152,7 +198,8 @@ def test_sampling_rules(tok: TextTokenizer, sampling: dict[str, Any], field: str
 def test_boundary_values_accepted(tok: TextTokenizer) -> None:
     sampling = {"top_p": 1.0, "top_k": -1, "temperature": 0.0, "max_tokens": 1, "stop_token_ids": [0, 511]}
     validate_and_resolve(_req(sampling), tok, LIMITS)
-    validate_and_resolve(_req({"stop": ["a", "b", "12345678"]}), tok, LIMITS)
+    validate_and_resolve(_req({"stop": ["a"] * (MAX_STOP_STRINGS - 1) + ["x" * MAX_STOP_STRING_CHARS]}), tok, LIMITS)
+    validate_and_resolve(_req({"stop_token_ids": [3] * MAX_STOP_TOKEN_IDS}), tok, LIMITS)
 
 
 @pytest.mark.parametrize(("ids", "index"), [([1, 2, 3, 512], 3), ([-5], 0), ([0, 99999], 1)])

@@ -6,8 +6,9 @@ import grpc
 import pytest
 
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.common.request_context import MAX_REQUEST_ID_CHARS
 from services.common.sampling_checks import MAX_EOS_TOKEN_IDS, MAX_STOP_TOKEN_IDS
-from services.scheduler.admission import MAX_REQUEST_ID_LENGTH, ModelLimits, admit
+from services.scheduler.admission import ModelLimits, admit
 from services.scheduler.request import Request
 from services.scheduler.submissions import Failure
 
@@ -51,7 +52,7 @@ def test_expired_deadline_is_never_admitted() -> None:
     ("kwargs", "field"),
     [
         ({"request_id": ""}, "request_id"),
-        ({"request_id": "x" * (MAX_REQUEST_ID_LENGTH + 1)}, "request_id"),
+        ({"request_id": "x" * (MAX_REQUEST_ID_CHARS + 1)}, "request_id"),
         ({"eos_token_ids": [1] * (MAX_EOS_TOKEN_IDS + 1)}, "eos_token_ids"),
         ({"eos_token_ids": [99]}, "eos_token_ids[0]"),
         ({"prompt_token_ids": []}, "prompt_token_ids"),
