@@ -144,10 +144,16 @@ class WorkerLoop:
                     break
                 hit += 1
         total_blocks = -(-request.num_tokens // bs)
+        # A running request still in its prefill is queued work too: it is admitted long before it is done.
+        prefilling = sum(
+            r.num_tokens - r.num_computed_tokens
+            for r in self.planner.running
+            if r.num_computed_tokens < r.num_prompt_tokens
+        )
         return Candidate(
             worker_id=self.worker_id,
             cached_tokens=hit * bs,
-            queued_tokens=self.waiting.num_tokens,
+            queued_tokens=self.waiting.num_tokens + prefilling,
             num_waiting=len(self.waiting),
             num_running=self.planner.num_running,
             free_blocks=kv.pool.num_free_blocks,

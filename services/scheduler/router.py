@@ -39,7 +39,7 @@ class Candidate:
     worker_id: str
     # Prompt tokens of this request found in the worker's cache (or in prompts queued there).
     cached_tokens: int
-    # Tokens its queued requests still have to prefill.
+    # Tokens its queued requests, and its running ones still in their prefill, have to compute.
     queued_tokens: int
     num_waiting: int
     num_running: int

@@ -278,8 +278,7 @@ def test_lost_worker_requests_finish_on_another(tiny_model_dir: Path, tmp_path: 
                 tasks = [
                     asyncio.create_task(stream(client, build_request(token_ids=p, sampling=params))) for p in prompts
                 ]
-                while not any(w.worker_id == "worker-0" and w.num_running for w in (await suite.stats()).workers):
-                    await asyncio.sleep(0.01)
+                await suite.wait_running("worker-0")
                 victim = suite.workers[0].process
                 victim.kill()
                 victim.wait()

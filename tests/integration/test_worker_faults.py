@@ -38,8 +38,7 @@ async def _streams_with_fault(suite: Suite, prompts: list[list[int]], max_tokens
     async with GenerationClient(suite.address) as client:
         tasks = [asyncio.create_task(stream(client, build_request(token_ids=p, sampling=params))) for p in prompts]
         if fault == "kill":
-            while not any(w.worker_id == "worker-1" and w.num_running for w in (await suite.stats()).workers):
-                await asyncio.sleep(0.01)
+            await suite.wait_running("worker-1")
             suite.workers[1].process.kill()
             suite.workers[1].process.wait()
         return list(await asyncio.gather(*tasks))
@@ -239,8 +238,7 @@ def test_sigterm_on_a_worker_under_load_fails_nothing(tiny_model_dir: Path, tmp_
                 tasks = [
                     asyncio.create_task(stream(client, build_request(token_ids=p, sampling=params))) for p in prompts
                 ]
-                while not any(w.worker_id == "worker-0" and w.num_running for w in (await suite.stats()).workers):
-                    await asyncio.sleep(0.01)
+                await suite.wait_running("worker-0")
                 os.kill(suite.workers[0].process.pid, signal.SIGTERM)
                 return list(await asyncio.gather(*tasks))
 

@@ -85,6 +85,11 @@ class Suite:
         self.workers.append(worker)
         return worker
 
+    async def wait_running(self, worker_id: str) -> None:
+        """Poll until the worker runs at least one request (the moment a fault test strikes)."""
+        while not any(w.worker_id == worker_id and w.num_running for w in (await self.stats()).workers):
+            await asyncio.sleep(0.01)
+
     async def wait_workers(self, ready: int, timeout: float = STARTUP_TIMEOUT_S) -> scheduler_pb2.SchedulerStats:
         """Poll until this many workers are READY at the scheduler."""
         deadline = asyncio.get_running_loop().time() + timeout

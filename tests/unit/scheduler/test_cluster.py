@@ -11,6 +11,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, work
 from services.scheduler.cluster import Cluster
 from services.scheduler.engine import WorkerLoop, WorkerState
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.router import RoutingPolicy
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.submissions import Failure, Item
 from tests.support.fake_worker import BS, FakeWorker
@@ -28,7 +29,7 @@ class Harness:
 
     def attach(self, worker_id: str, num_blocks: int = 64) -> WorkerLoop:
         hello = worker_pb2.WorkerHello(
-            worker_id=worker_id, block_size=BS, num_blocks=num_blocks, max_model_len=256, vocab_size=2000,
+            worker_id=worker_id, block_size=BS, num_blocks=num_blocks, max_model_len=2048, vocab_size=2000,
             model_identity="m", model_name="tiny",
         )  # fmt: skip
         self.cluster.check_hello(hello)
@@ -207,3 +208,19 @@ async def test_model_info_reports_the_tightest_ready_worker() -> None:
     h.attach("a")
     info = h.cluster.model_info()
     assert (info.model_name, info.max_model_len, info.vocab_size, info.num_ready_workers) == ("tiny", 200, 2000, 1)
+
+
+async def test_a_worker_busy_prefilling_is_not_taken_for_idle() -> None:
+    h = Harness(routing="round-robin", max_num_batched_tokens=16)
+    a, b = h.attach("a", num_blocks=256), h.attach("b", num_blocks=256)
+    h.submit("long", _prompt(1, 400), max_tokens=4)
+    h.submit("short", _prompt(2, 4), max_tokens=100)
+    for _ in range(3):
+        h.step("a")
+        h.step("b")
+    # One request running on each: a's is 48 tokens into a 400-token prefill, b's is decoding.
+    assert [r.request_id for r in a.planner.running] == ["long"]
+    assert [r.request_id for r in b.planner.running] == ["short"]
+    h.cluster.policy = RoutingPolicy.KV
+    h.submit("cold", _prompt(4, 20))
+    assert b.num_routed == 2, "the worker with 352 prompt tokens still to compute took the new request"
