@@ -9,16 +9,30 @@ import math
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from services.client.bench.datasets import BenchRequest, jsonl_dataset, random_dataset, shared_prefix_dataset
+from services.client.bench.datasets import (
+    BenchRequest,
+    Conversation,
+    flatten,
+    jsonl_dataset,
+    multi_turn_dataset,
+    random_dataset,
+    shared_prefix_dataset,
+    single_turns,
+    turn_indices,
+)
 from services.client.bench.metrics import SLO_METRICS
 from services.client.bench.records import RequestRecord
 from services.common.model_paths import embedded_model_dir
 
+if TYPE_CHECKING:
+    # Only for annotations: the CLI builds its parser from this module, and grpc is slow to import.
+    from services.client.bench.cache_stats import CacheReport
+
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 BACKENDS = ("meshserve", "transformers", "raw-runner")
-DATASETS = ("random", "shared-prefix", "jsonl")
+DATASETS = ("random", "shared-prefix", "jsonl", "multi-turn")
 CONNECT_TIMEOUT_S = 10.0
 
 
@@ -124,7 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--dataset", choices=DATASETS, default="random")
     parser.add_argument("--dataset-path", type=Path, default=None, help="JSONL file for --dataset jsonl")
-    parser.add_argument("--num-prompts", type=positive_int, default=100)
+    parser.add_argument(
+        "--num-prompts", type=positive_int, default=100, help="requests (multi-turn: --num-conversations instead)"
+    )
     parser.add_argument("--random-input-len", type=length_range, default=(1024, 1024), metavar="N|LO-HI")
     parser.add_argument("--random-output-len", type=length_range, default=(128, 128), metavar="N|LO-HI")
     parser.add_argument("--shared-prefix-len", type=positive_int, default=256, help="tokens common to every prompt")
@@ -134,7 +150,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--jsonl-output-len", type=positive_int, default=128, help="output length of JSONL lines without one"
     )
     parser.add_argument(
-        "--request-rate", type=request_rate, default=math.inf, help="requests per second, or inf (all at once)"
+        "--num-conversations", type=positive_int, default=8, help="multi-turn: conversations, run concurrently"
+    )
+    parser.add_argument("--num-turns", type=positive_int, default=6, help="multi-turn: turns per conversation")
+    parser.add_argument(
+        "--turn-input-len",
+        type=length_range,
+        default=(200, 200),
+        metavar="N|LO-HI",
+        help="multi-turn: new user tokens per turn (each prompt also holds the history)",
+    )
+    parser.add_argument(
+        "--first-turn-input-len",
+        type=length_range,
+        default=None,
+        metavar="N|LO-HI",
+        help="multi-turn: user tokens of the opening turn (a document, a system prompt); default --turn-input-len",
+    )
+    parser.add_argument(
+        "--turn-output-len",
+        type=length_range,
+        default=(64, 64),
+        metavar="N|LO-HI",
+        help="multi-turn: tokens generated per turn (the history's synthetic reply has the same length)",
+    )
+    parser.add_argument(
+        "--request-rate",
+        type=request_rate,
+        default=math.inf,
+        help="requests per second (multi-turn: conversation starts), or inf (all at once)",
     )
     parser.add_argument(
         "--burstiness", type=positive_float, default=1.0, help="gamma shape of the arrivals; 1 = Poisson"
@@ -143,7 +187,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-concurrency",
         type=positive_int,
         default=None,
-        help="requests in flight at most (the batch size of the in-process backends, default 1 there)",
+        help="requests in flight at most (multi-turn: conversations; the batch size of the in-process backends, "
+        "default 1 there)",
+    )
+    parser.add_argument(
+        "--scheduler-address",
+        default=None,
+        metavar="HOST:PORT",
+        help="the scheduler behind the gateway: report its prefix-cache hit rate and requests per worker over the "
+        "run (GetStats before and after; counts all of its traffic)",
     )
     parser.add_argument("--seed", type=int, default=0, help="seed of the dataset and the arrivals")
     parser.add_argument("--num-warmups", type=non_negative_int, default=0, help="untimed requests sent first")
@@ -198,6 +250,24 @@ def build_workload(ns: argparse.Namespace, model_dir: Path) -> list[BenchRequest
     return random_dataset(ns.num_prompts, ns.random_input_len, ns.random_output_len, vocab, ns.seed)
 
 
+def build_conversations(ns: argparse.Namespace, model_dir: Path) -> list[Conversation]:
+    """The workload as conversations: multi-turn ones, or each request of a single-turn dataset on its own."""
+    if ns.dataset != "multi-turn":
+        return single_turns(build_workload(ns, model_dir))
+    if ns.backend != "meshserve":
+        # Static batches cannot hold turn k+1 back until turn k has finished, which is the point of the dataset.
+        raise UsageError(f"--dataset multi-turn needs --backend meshserve (not {ns.backend})")
+    return multi_turn_dataset(
+        ns.num_conversations,
+        ns.num_turns,
+        ns.turn_input_len,
+        ns.turn_output_len,
+        _vocab_size(model_dir),
+        ns.seed,
+        first_turn_input_len=ns.first_turn_input_len,
+    )
+
+
 async def _check_reachable(address: str) -> None:
     from services.common.channels import insecure_channel
 
@@ -208,24 +278,39 @@ async def _check_reachable(address: str) -> None:
             raise ConnectionError(f"--address {address}: no gateway answered within {CONNECT_TIMEOUT_S:g} s") from None
 
 
-async def _run_backend(
-    ns: argparse.Namespace, model_dir: Path, requests: list[BenchRequest]
-) -> tuple[list[RequestRecord], float]:
-    progress = not ns.no_progress
-    if ns.backend == "meshserve":
-        from services.client.bench.runner import run_benchmark
+async def _serve(
+    ns: argparse.Namespace, conversations: list[Conversation]
+) -> tuple[list[RequestRecord], float, CacheReport | None]:
+    """Run the workload through the gateway; with --scheduler-address, the scheduler's counters over the run."""
+    from services.client.bench.cache_stats import fetch_stats, stats_delta
+    from services.client.bench.runner import run_conversations, run_warmups
 
-        await _check_reachable(ns.address)
-        return await run_benchmark(
-            ns.address,
-            requests,
-            request_rate=ns.request_rate,
-            burstiness=ns.burstiness,
-            max_concurrency=ns.max_concurrency,
-            seed=ns.seed,
-            num_warmups=ns.num_warmups,
-            progress=progress,
-        )
+    await _check_reachable(ns.address)
+    # Warm-ups go first, on their own, so that the counters read next leave them out.
+    await run_warmups(ns.address, conversations, ns.num_warmups, max_concurrency=ns.max_concurrency)
+    before = await fetch_stats(ns.scheduler_address) if ns.scheduler_address else None
+    records, duration = await run_conversations(
+        ns.address,
+        conversations,
+        request_rate=ns.request_rate,
+        burstiness=ns.burstiness,
+        max_concurrency=ns.max_concurrency,
+        seed=ns.seed,
+        progress=not ns.no_progress,
+    )
+    if before is None:
+        return records, duration, None
+    return records, duration, stats_delta(before, await fetch_stats(ns.scheduler_address))
+
+
+async def _run_backend(
+    ns: argparse.Namespace, model_dir: Path, conversations: list[Conversation]
+) -> tuple[list[RequestRecord], float, CacheReport | None]:
+    if ns.backend == "meshserve":
+        return await _serve(ns, conversations)
+    progress = not ns.no_progress
+    # Single-turn datasets only (build_conversations refuses multi-turn here), so flattening loses nothing.
+    requests = flatten(conversations)
     # In-process backends run the workload in batches; arrival times do not apply to them.
     if not math.isinf(ns.request_rate):
         print(f"note: --request-rate is ignored by the {ns.backend} backend", file=sys.stderr)
@@ -233,35 +318,60 @@ async def _run_backend(
     if ns.backend == "transformers":
         from services.worker.benchmarks.transformers_baseline import run_transformers_baseline
 
-        return run_transformers_baseline(model_dir, requests, batch_size, ns.dtype, progress)
+        return (*run_transformers_baseline(model_dir, requests, batch_size, ns.dtype, progress), None)
     from services.worker.benchmarks.raw_runner import run_raw_runner
 
-    return run_raw_runner(model_dir, requests, batch_size, ns.dtype, progress)
+    return (*run_raw_runner(model_dir, requests, batch_size, ns.dtype, progress), None)
 
 
 def _settings(ns: argparse.Namespace, model_dir: Path) -> dict[str, Any]:
     # What was run, saved next to the results so that a JSON file explains itself.
+    multi_turn = ns.dataset == "multi-turn"
     return {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
         "address": ns.address if ns.backend == "meshserve" else None,
         "model": str(model_dir),
         "dataset": ns.dataset,
         "dataset_path": str(ns.dataset_path) if ns.dataset_path else None,
-        "num_prompts": ns.num_prompts,
+        "num_prompts": None if multi_turn else ns.num_prompts,
+        "num_conversations": ns.num_conversations if multi_turn else None,
+        "num_turns": ns.num_turns if multi_turn else None,
+        "scheduler_address": ns.scheduler_address,
         "seed": ns.seed,
         "num_warmups": ns.num_warmups,
         "dtype": ns.dtype if ns.backend != "meshserve" else None,
     }
 
 
-def prepare(ns: argparse.Namespace) -> tuple[Path, dict[str, float] | None, list[BenchRequest]]:
+def prepare(ns: argparse.Namespace) -> tuple[Path, dict[str, float] | None, list[Conversation]]:
     """Model directory, goodput SLOs and workload from the flags; UsageError naming the flag when one is bad."""
     model_dir: Path = ns.model.expanduser() if ns.model else embedded_model_dir()
     slos = goodput_slos(ns.goodput)
+    if ns.scheduler_address and ns.backend != "meshserve":
+        raise UsageError(f"--scheduler-address needs --backend meshserve (not {ns.backend})")
     if not model_dir.is_dir():
         hint = "" if ns.model else " (run `meshserve up` once to fetch the embedded model, or pass --model)"
         raise UsageError(f"--model {model_dir} is not a directory{hint}")
-    return model_dir, slos, build_workload(ns, model_dir)
+    return model_dir, slos, build_conversations(ns, model_dir)
+
+
+def _report_extras(
+    ns: argparse.Namespace, conversations: list[Conversation], records: list[RequestRecord], cache: CacheReport | None
+) -> dict[str, Any]:
+    """Print what the vLLM table lacks (TTFT by turn, the scheduler's counters); return it for the JSON."""
+    from services.client.bench.metrics import mean_ttft_by_turn
+    from services.client.bench.report import format_cache_report, format_ttft_by_turn
+
+    extras: dict[str, Any] = {}
+    if ns.dataset == "multi-turn":
+        turns = turn_indices(conversations)
+        extras["turn_indices"] = turns
+        extras["mean_ttft_ms_by_turn"] = mean_ttft_by_turn(records, turns)
+        print(format_ttft_by_turn(extras["mean_ttft_ms_by_turn"]))
+    if cache is not None:
+        extras["scheduler_stats"] = cache.to_dict()
+        print(format_cache_report(cache))
+    return extras
 
 
 async def main(ns: argparse.Namespace) -> int:
@@ -270,12 +380,12 @@ async def main(ns: argparse.Namespace) -> int:
     from services.client.bench.report import per_request_details, print_summary, save_result
 
     try:
-        model_dir, slos, requests = prepare(ns)
+        model_dir, slos, conversations = prepare(ns)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     try:
-        records, duration = await _run_backend(ns, model_dir, requests)
+        records, duration, cache = await _run_backend(ns, model_dir, conversations)
     except ImportError as err:
         print(f"error: --backend {ns.backend} is not available here: {err}", file=sys.stderr)
         return 1
@@ -293,7 +403,8 @@ async def main(ns: argparse.Namespace) -> int:
         burstiness=ns.burstiness,
     )
     print_summary(summary)
+    extras = _report_extras(ns, conversations, records, cache)
     if ns.save_result is not None:
-        save_result(ns.save_result, summary, {**_settings(ns, model_dir), **per_request_details(records)})
+        save_result(ns.save_result, summary, {**_settings(ns, model_dir), **per_request_details(records), **extras})
         print(f"results saved to {ns.save_result}")
     return 0 if summary.completed else 1

@@ -1,4 +1,8 @@
-"""Benchmark workloads: the same token-id prompts and output lengths for every backend."""
+"""Benchmark workloads: the same token-id prompts and output lengths for every backend.
+
+A workload is a list of conversations: each is a list of turns sent one after another. Single-turn
+datasets (random, shared-prefix, JSONL) are lists of requests; `single_turns` makes them conversations.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 # Low ids are special tokens in most vocabularies (BOS, EOS, chat markers); random prompts avoid them.
 FIRST_ORDINARY_ID = 100
@@ -19,6 +23,10 @@ class BenchRequest:
 
     prompt_token_ids: list[int]
     output_len: int
+
+
+# Turns of one conversation, in order: turn k+1 is sent only once turn k has finished.
+Conversation: TypeAlias = list[BenchRequest]
 
 
 class Encoder(Protocol):
@@ -70,6 +78,55 @@ def shared_prefix_dataset(
         BenchRequest(prefix + _tokens(rng, _draw(rng, suffix_len), vocab_size), _draw(rng, output_len))
         for _ in range(num_prompts)
     ]
+
+
+def multi_turn_dataset(
+    num_conversations: int,
+    num_turns: int,
+    turn_input_len: tuple[int, int],
+    turn_output_len: tuple[int, int],
+    vocab_size: int,
+    seed: int = 0,
+    first_turn_input_len: tuple[int, int] | None = None,
+) -> list[Conversation]:
+    """Chat conversations: turn k's prompt is every earlier turn's user text and reply, then the new user text.
+
+    The replies in the history are synthetic (random ids of the turn's output length), not what the server
+    generated, so every prompt is fixed by the seed and each turn's prompt is a prefix of the next one's.
+    first_turn_input_len (default turn_input_len) sizes the opening turn alone, for chats that open with a
+    long document or system prompt and go on with short questions.
+    """
+    if num_conversations < 0 or num_turns < 0:
+        raise ValueError(f"conversation and turn counts must be >= 0, got {num_conversations} and {num_turns}")
+    rng = random.Random(seed)
+    conversations: list[Conversation] = []
+    for _ in range(num_conversations):
+        history: list[int] = []
+        turns: Conversation = []
+        for k in range(num_turns):
+            input_len = turn_input_len if k or first_turn_input_len is None else first_turn_input_len
+            prompt = history + _tokens(rng, _draw(rng, input_len), vocab_size)
+            output_len = _draw(rng, turn_output_len)
+            turns.append(BenchRequest(prompt, output_len))
+            # The reply has the length the turn asks for, as a real reply (EOS ignored) would.
+            history = prompt + _tokens(rng, output_len, vocab_size)
+        conversations.append(turns)
+    return conversations
+
+
+def single_turns(requests: Sequence[BenchRequest]) -> list[Conversation]:
+    """Each request as a conversation of its own."""
+    return [[request] for request in requests]
+
+
+def flatten(conversations: Sequence[Sequence[BenchRequest]]) -> list[BenchRequest]:
+    """Every turn, conversation by conversation: the order the runner returns records in."""
+    return [turn for conversation in conversations for turn in conversation]
+
+
+def turn_indices(conversations: Sequence[Sequence[BenchRequest]]) -> list[int]:
+    """Each turn's position in its conversation (0 first), in flatten's order."""
+    return [k for conversation in conversations for k in range(len(conversation))]
 
 
 def jsonl_dataset(

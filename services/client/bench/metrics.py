@@ -173,3 +173,20 @@ def summarize(
         burstiness=burstiness,
         errors=dict(errors),
     )
+
+
+def mean_ttft_by_turn(records: Sequence[RequestRecord], turns: Sequence[int]) -> list[float | None]:
+    """Mean TTFT in ms of the completed requests at each turn position (None where none completed).
+
+    With multi-turn conversations this shows how prefill cost grows with the history, and how much of it the
+    prefix cache takes away.
+    """
+    if len(records) != len(turns):
+        raise ValueError(f"{len(records)} records but {len(turns)} turn indices")
+    by_turn: dict[int, list[float]] = {}
+    for record, turn in zip(records, turns, strict=True):
+        if record.success and record.num_output_tokens:
+            by_turn.setdefault(turn, []).append(record.ttft)
+    return [
+        LatencyStats.of_seconds(by_turn[k]).mean if k in by_turn else None for k in range(max(turns, default=-1) + 1)
+    ]

@@ -7,10 +7,14 @@ import math
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from services.client.bench.metrics import BenchSummary
 from services.client.bench.records import RequestRecord
+
+if TYPE_CHECKING:
+    # Only for annotations, so that importing the report does not import grpc.
+    from services.client.bench.cache_stats import CacheReport
 
 WIDTH = 50
 _SECTIONS = (
@@ -72,6 +76,31 @@ def print_summary(summary: BenchSummary, file: TextIO | None = None) -> None:
             f"({summary.total_output_tokens} received, {summary.requested_output_tokens} requested)",
             file=out,
         )
+
+
+def _percent(rate: float | None) -> str:
+    return "n/a" if rate is None else f"{rate * 100:.2f}"
+
+
+def format_cache_report(report: CacheReport) -> str:
+    """The scheduler's prefix-cache counters over the run, in the summary's layout."""
+    lines = [
+        "Prefix Cache (scheduler, this run)".center(WIDTH, "-"),
+        _row("Prompt tokens looked up:", report.prefix_cache_queries),
+        _row("Prompt tokens found:", report.prefix_cache_hits),
+        _row("Prefix cache hit rate (%):", _percent(report.hit_rate)),
+    ]
+    for w in report.workers:
+        lines.append(_row(f"Requests routed to {w.worker_id}:", w.num_routed))
+        lines.append(_row(f"Hit rate on {w.worker_id} (%):", _percent(w.hit_rate)))
+    lines.append("=" * WIDTH)
+    return "\n".join(lines)
+
+
+def format_ttft_by_turn(means_ms: Sequence[float | None]) -> str:
+    """One line: mean TTFT of each turn position of the conversations."""
+    values = ", ".join("n/a" if m is None else f"{m:.1f}" for m in means_ms)
+    return f"Mean TTFT by turn (ms): {values}"
 
 
 def per_request_details(records: Sequence[RequestRecord]) -> dict[str, list[Any]]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 import sys
 import time
@@ -12,7 +13,7 @@ import grpc
 from tqdm import tqdm
 
 from services.client.bench.arrivals import inter_arrival_times, send_offsets
-from services.client.bench.datasets import BenchRequest
+from services.client.bench.datasets import BenchRequest, single_turns
 from services.client.bench.records import RequestRecord
 from services.client.client import build_request, sampling_params
 from services.common.channels import insecure_channel
@@ -86,41 +87,137 @@ async def run_benchmark(
     Request i is sent at its gamma arrival time; with max_concurrency, it then waits for a free slot and its
     clock (TTFT, E2EL) starts when it is actually sent, as in vLLM.
     """
+    return await run_conversations(
+        address,
+        single_turns(requests),
+        request_rate=request_rate,
+        burstiness=burstiness,
+        max_concurrency=max_concurrency,
+        seed=seed,
+        num_warmups=num_warmups,
+        progress=progress,
+        ignore_eos=ignore_eos,
+        temperature=temperature,
+    )
+
+
+def _check_limits(max_concurrency: int | None, num_warmups: int) -> None:
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be >= 1, got {max_concurrency}")
     if num_warmups < 0:
         raise ValueError(f"num_warmups must be >= 0, got {num_warmups}")
-    offsets = send_offsets(inter_arrival_times(len(requests), request_rate, burstiness, seed))
-    limit = asyncio.Semaphore(max_concurrency or max(len(requests), num_warmups, 1))
+
+
+def _slots(max_concurrency: int | None, num_conversations: int, num_warmups: int) -> asyncio.Semaphore:
+    # Without a limit every conversation (and every warm-up) gets a slot at once.
+    return asyncio.Semaphore(max_concurrency or max(num_conversations, num_warmups, 1))
+
+
+async def _warm_up(
+    stub: generation_pb2_grpc.GenerationStub,
+    conversations: Sequence[Sequence[BenchRequest]],
+    num_warmups: int,
+    slots: asyncio.Semaphore,
+    *,
+    ignore_eos: bool,
+    temperature: float,
+) -> None:
+    """Warm-up i resends conversation i's first turn (cycling) for a couple of tokens; WarmupError if one fails."""
+    firsts = [c[0] for c in conversations if c]
+    if not num_warmups or not firsts:
+        return
+
+    async def one(i: int) -> RequestRecord:
+        request = firsts[i % len(firsts)]
+        async with slots:
+            return await _send(
+                stub,
+                request,
+                min(request.output_len, WARMUP_OUTPUT_LEN),
+                f"bench-warmup-{i}",
+                ignore_eos=ignore_eos,
+                temperature=temperature,
+            )
+
+    results = await asyncio.gather(*(one(i) for i in range(num_warmups)))
+    if failed := [r for r in results if not r.success]:
+        raise WarmupError(f"{len(failed)}/{len(results)} warm-up requests failed: {failed[0].error}")
+
+
+async def run_warmups(
+    address: str,
+    conversations: Sequence[Sequence[BenchRequest]],
+    num_warmups: int,
+    *,
+    max_concurrency: int | None = None,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> None:
+    """Only the warm-ups of run_conversations, for callers that read server counters between them and the run."""
+    _check_limits(max_concurrency, num_warmups)
+    async with insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        slots = _slots(max_concurrency, len(conversations), num_warmups)
+        await _warm_up(stub, conversations, num_warmups, slots, ignore_eos=ignore_eos, temperature=temperature)
+
+
+async def run_conversations(
+    address: str,
+    conversations: Sequence[Sequence[BenchRequest]],
+    *,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    num_warmups: int = 0,
+    progress: bool = True,
+    ignore_eos: bool = True,
+    temperature: float = 0.0,
+) -> tuple[list[RequestRecord], float]:
+    """Run conversations against the gateway; returns one record per turn, conversation by conversation.
+
+    Conversation i starts at its gamma arrival time (request_rate counts conversations), then waits for one
+    of max_concurrency slots and keeps it until its last turn has finished: like a chat user, it sends turn
+    k+1 only once turn k's stream has ended. Each turn's clock starts when it is sent. Request ids number the
+    turns in record order (bench-0, bench-1, ...).
+    """
+    _check_limits(max_concurrency, num_warmups)
+    offsets = send_offsets(inter_arrival_times(len(conversations), request_rate, burstiness, seed))
+    # Flat index of each conversation's first turn, so request ids follow the record order.
+    first_ids = list(itertools.accumulate((len(c) for c in conversations), initial=0))
+    num_requests = first_ids.pop()
+    slots = _slots(max_concurrency, len(conversations), num_warmups)
     show = progress and sys.stderr.isatty()
 
     async with insecure_channel(address) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
+        await _warm_up(stub, conversations, num_warmups, slots, ignore_eos=ignore_eos, temperature=temperature)
+        bar = tqdm(total=num_requests, desc="bench", unit="req", disable=not show)
 
-        async def limited(request: BenchRequest, output_len: int, request_id: str) -> RequestRecord:
-            async with limit:
-                return await _send(
-                    stub, request, output_len, request_id, ignore_eos=ignore_eos, temperature=temperature
-                )
+        async def converse(turns: Sequence[BenchRequest], first_id: int) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+            async with slots:
+                for k, turn in enumerate(turns):
+                    # Awaiting each turn before the next is the closed loop: no turn overtakes its predecessor.
+                    record = await _send(
+                        stub,
+                        turn,
+                        turn.output_len,
+                        f"bench-{first_id + k}",
+                        ignore_eos=ignore_eos,
+                        temperature=temperature,
+                    )
+                    records.append(record)
+                    bar.update(1)
+            return records
 
-        if num_warmups and requests:
-            warmups = [requests[i % len(requests)] for i in range(num_warmups)]
-            results = await asyncio.gather(
-                *(limited(r, min(r.output_len, WARMUP_OUTPUT_LEN), f"bench-warmup-{i}") for i, r in enumerate(warmups))
-            )
-            if failed := [r for r in results if not r.success]:
-                raise WarmupError(f"{len(failed)}/{len(results)} warm-up requests failed: {failed[0].error}")
-
-        bar = tqdm(total=len(requests), desc="bench", unit="req", disable=not show)
-        tasks: list[asyncio.Task[RequestRecord]] = []
+        tasks: list[asyncio.Task[list[RequestRecord]]] = []
         start = time.perf_counter()
-        for i, (request, offset) in enumerate(zip(requests, offsets, strict=True)):
+        for conversation, first_id, offset in zip(conversations, first_ids, offsets, strict=True):
             # Sleep to an absolute target so that scheduling delays do not accumulate into the rate.
             await _sleep_until(start + offset)
-            task = asyncio.create_task(limited(request, request.output_len, f"bench-{i}"))
-            task.add_done_callback(lambda _: bar.update(1))
-            tasks.append(task)
-        records = list(await asyncio.gather(*tasks))
+            tasks.append(asyncio.create_task(converse(conversation, first_id)))
+        per_conversation = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
-    return records, duration
+    return [record for records in per_conversation for record in records], duration

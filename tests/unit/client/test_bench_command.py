@@ -47,6 +47,8 @@ def test_defaults() -> None:
     assert ns.max_concurrency is None
     assert ns.goodput is None
     assert ns.dtype == "float32"
+    assert ns.scheduler_address is None
+    assert (ns.num_conversations, ns.num_turns, ns.turn_input_len, ns.turn_output_len) == (8, 6, (200, 200), (64, 64))
 
 
 @pytest.mark.parametrize(("text", "expected"), [("7", (7, 7)), ("5-40", (5, 40)), (" 3-3 ", (3, 3))])
@@ -72,7 +74,9 @@ def test_bad_request_rate(capsys: pytest.CaptureFixture[str], text: str) -> None
 
 @pytest.mark.parametrize(("flag", "value"), [("--burstiness", "0"), ("--burstiness", "inf"), ("--num-prompts", "0"),
                                              ("--max-concurrency", "0"), ("--num-warmups", "-1"), ("--backend", "vllm"),
-                                             ("--dataset", "sharegpt"), ("--dtype", "float16")])  # fmt: skip
+                                             ("--dataset", "sharegpt"), ("--dtype", "float16"),
+                                             ("--num-conversations", "0"), ("--num-turns", "0"),
+                                             ("--turn-input-len", "5-2"), ("--turn-output-len", "0")])  # fmt: skip
 def test_other_bad_values_name_the_flag(capsys: pytest.CaptureFixture[str], flag: str, value: str) -> None:
     assert flag in _parse_error(capsys, f"{flag}={value}")
 
@@ -120,6 +124,34 @@ def test_workloads_from_flags(model_dir: Path) -> None:
     assert len(requests) == 4
     assert len({tuple(r.prompt_token_ids[:16]) for r in requests}) == 1
     assert all(18 <= len(r.prompt_token_ids) <= 20 and r.output_len == 6 for r in requests)
+
+
+def test_multi_turn_workload_from_flags(model_dir: Path) -> None:
+    ns = _parse("--model", str(model_dir), "--dataset", "multi-turn", "--num-conversations", "3", "--num-turns", "4",
+                "--turn-input-len", "6-9", "--turn-output-len", "2", "--seed", "5")  # fmt: skip
+    conversations = command.build_conversations(ns, model_dir)
+    assert [len(c) for c in conversations] == [4] * 3
+    assert all(6 <= len(c[0].prompt_token_ids) <= 9 for c in conversations)
+    assert all(t.output_len == 2 for c in conversations for t in c)
+    assert all(t < 300 for c in conversations for r in c for t in r.prompt_token_ids)
+    assert command.build_conversations(ns, model_dir) == conversations
+    # Single-turn datasets become one conversation per request.
+    ns = _parse("--model", str(model_dir), "--num-prompts", "4", "--random-input-len", "3", "--random-output-len", "1")
+    assert command.build_conversations(ns, model_dir) == [[r] for r in command.build_workload(ns, model_dir)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--dataset", "multi-turn", "--backend", "transformers"], "--dataset multi-turn needs --backend meshserve"),
+        (["--scheduler-address", "127.0.0.1:1", "--backend", "raw-runner"], "--scheduler-address needs --backend"),
+    ],
+)
+async def test_meshserve_only_flags_exit_2_elsewhere(
+    capsys: pytest.CaptureFixture[str], model_dir: Path, args: list[str], message: str
+) -> None:
+    assert await command.main(_parse("--model", str(model_dir), *args)) == 2
+    assert message in capsys.readouterr().err
 
 
 def test_jsonl_workload_uses_the_model_tokenizer(tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
-"""Benchmark workloads: random, shared-prefix and JSONL."""
+"""Benchmark workloads: random, shared-prefix, JSONL and multi-turn."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -9,10 +10,15 @@ import pytest
 
 from services.client.bench.datasets import (
     FIRST_ORDINARY_ID,
+    BenchRequest,
+    flatten,
     jsonl_dataset,
+    multi_turn_dataset,
     random_dataset,
     shared_prefix_dataset,
+    single_turns,
     total_output_tokens,
+    turn_indices,
 )
 
 
@@ -99,3 +105,54 @@ def test_jsonl_errors_name_the_line(tmp_path: Path, lines: list[object], message
     path = _write(tmp_path / "bad.jsonl", lines)
     with pytest.raises(ValueError, match=message):
         jsonl_dataset(path, StubEncoder(), 5)
+
+
+def test_multi_turn_prompts_grow_by_reply_and_user_turn() -> None:
+    conversations = multi_turn_dataset(5, 4, (10, 20), (3, 6), vocab_size=512, seed=3)
+    assert [len(c) for c in conversations] == [4] * 5
+    for turns in conversations:
+        assert 10 <= len(turns[0].prompt_token_ids) <= 20
+        for earlier, later in itertools.pairwise(turns):
+            # The next prompt is this prompt, a synthetic reply of this turn's output length, and a new user turn.
+            assert later.prompt_token_ids[: len(earlier.prompt_token_ids)] == earlier.prompt_token_ids
+            added = len(later.prompt_token_ids) - len(earlier.prompt_token_ids)
+            assert earlier.output_len + 10 <= added <= earlier.output_len + 20
+        # Every earlier prompt is a prefix of every later one, not just of the next.
+        last = turns[-1].prompt_token_ids
+        assert all(last[: len(t.prompt_token_ids)] == t.prompt_token_ids for t in turns)
+        assert all(3 <= t.output_len <= 6 for t in turns)
+    assert all(FIRST_ORDINARY_ID <= t < 512 for c in conversations for r in c for t in r.prompt_token_ids)
+    # Conversations do not share a history (a cache hit across them would be luck, not routing).
+    assert len({tuple(c[0].prompt_token_ids[:8]) for c in conversations}) == 5
+
+
+def test_multi_turn_is_deterministic_per_seed() -> None:
+    def make(seed: int) -> list[list[BenchRequest]]:
+        return multi_turn_dataset(3, 3, (8, 8), (4, 4), vocab_size=300, seed=seed)
+
+    assert make(7) == make(7)
+    assert make(7) != make(8)
+    # Fixed lengths give exact sizes: turn k holds k (user + reply) pairs, then its own user turn.
+    assert [len(r.prompt_token_ids) for r in make(7)[0]] == [8, 20, 32]
+
+
+def test_multi_turn_rejects_bad_ranges() -> None:
+    with pytest.raises(ValueError):
+        multi_turn_dataset(2, 2, (0, 4), (1, 1), 512)
+    with pytest.raises(ValueError):
+        multi_turn_dataset(-1, 2, (1, 4), (1, 1), 512)
+
+
+def test_single_turns_flatten_and_turn_indices() -> None:
+    requests = random_dataset(3, (4, 4), (2, 2), 300)
+    assert single_turns(requests) == [[r] for r in requests]
+    assert flatten(single_turns(requests)) == requests
+    conversations = multi_turn_dataset(2, 3, (4, 4), (2, 2), 300)
+    assert flatten(conversations) == conversations[0] + conversations[1]
+    assert turn_indices(conversations) == [0, 1, 2, 0, 1, 2]
+    assert turn_indices(single_turns(requests)) == [0, 0, 0]
+
+
+def test_multi_turn_opening_turn_may_be_longer() -> None:
+    [turns] = multi_turn_dataset(1, 3, (5, 5), (2, 2), vocab_size=300, seed=1, first_turn_input_len=(100, 100))
+    assert [len(t.prompt_token_ids) for t in turns] == [100, 100 + 2 + 5, 100 + 2 + 5 + 2 + 5]

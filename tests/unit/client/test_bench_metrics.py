@@ -8,7 +8,7 @@ import random
 import numpy as np
 import pytest
 
-from services.client.bench.metrics import percentile, summarize
+from services.client.bench.metrics import mean_ttft_by_turn, percentile, summarize
 from services.client.bench.records import RequestRecord
 
 
@@ -141,3 +141,15 @@ def test_summary_without_completions_and_to_dict() -> None:
     assert data["burstiness"] == 0.5
     assert data["errors"] == {"UNAVAILABLE: down": 1}
     assert summarize(failed, 1.0, backend="m", request_rate=2.5).to_dict()["request_rate"] == 2.5
+
+
+def test_mean_ttft_by_turn_leaves_out_failures() -> None:
+    def rec(ttft: float, ok: bool = True) -> RequestRecord:
+        return RequestRecord(prompt_len=4, output_len=1, start=1.0, token_times=[1.0 + ttft] if ok else [], success=ok)
+
+    records = [rec(0.1), rec(0.3), rec(0.2), rec(0.5, ok=False), rec(0.5, ok=False)]
+    # Turn 2 has only a failed request, so it has no mean.
+    assert mean_ttft_by_turn(records, [0, 1, 0, 1, 2]) == pytest.approx([150.0, 300.0, None])
+    assert mean_ttft_by_turn([], []) == []
+    with pytest.raises(ValueError):
+        mean_ttft_by_turn(records, [0])

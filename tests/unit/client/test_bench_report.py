@@ -9,7 +9,13 @@ from pathlib import Path
 
 from services.client.bench.metrics import summarize
 from services.client.bench.records import RequestRecord
-from services.client.bench.report import format_summary, per_request_details, print_summary, save_result
+from services.client.bench.report import (
+    format_summary,
+    format_ttft_by_turn,
+    per_request_details,
+    print_summary,
+    save_result,
+)
 
 
 def _records() -> list[RequestRecord]:
@@ -59,3 +65,7 @@ def test_save_result_writes_summary_and_extra(tmp_path: Path) -> None:
     assert data["itls"] == [[0.25, 0.25], []]
     assert data["errors"] == ["", "UNAVAILABLE: gone"]
     assert data["cached_tokens"] == [2, 0]
+
+
+def test_ttft_by_turn_line() -> None:
+    assert format_ttft_by_turn([120.0, 35.25, None]) == "Mean TTFT by turn (ms): 120.0, 35.2, n/a"

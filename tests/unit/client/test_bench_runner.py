@@ -1,8 +1,10 @@
-"""run_benchmark against an in-process fake gateway: records, errors, warm-ups and the concurrency limit."""
+"""run_benchmark and run_conversations against an in-process fake gateway: records, errors, warm-ups, the
+concurrency limit and the turn order of conversations."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import math
 from collections.abc import AsyncIterator, Iterator
 
@@ -11,8 +13,8 @@ import pytest
 
 from services.client.bench import runner
 from services.client.bench.arrivals import inter_arrival_times, send_offsets
-from services.client.bench.datasets import BenchRequest
-from services.client.bench.runner import WARMUP_OUTPUT_LEN, WarmupError, run_benchmark
+from services.client.bench.datasets import BenchRequest, flatten, multi_turn_dataset
+from services.client.bench.runner import WARMUP_OUTPUT_LEN, WarmupError, run_benchmark, run_conversations, run_warmups
 from services.common.proto.meshserve.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
 
 # First prompt token ids that make the fake gateway misbehave.
@@ -22,10 +24,13 @@ SHORT = 3
 
 
 class FakeGateway(generation_pb2_grpc.GenerationServicer):
-    """Streams max_tokens ids two per message; remembers what it was asked and how many ran at once."""
+    """Streams max_tokens ids two per message; remembers what it was asked, in which order, how many ran at once."""
 
     def __init__(self) -> None:
         self.requests: list[generation_pb2.GenerateRequest] = []
+        # Per arriving request: its id and the ids whose streams had ended by then.
+        self.arrivals: list[tuple[str, frozenset[str]]] = []
+        self.finished: set[str] = set()
         self.in_flight = 0
         self.max_in_flight = 0
         self.barrier: asyncio.Barrier | None = None
@@ -34,6 +39,7 @@ class FakeGateway(generation_pb2_grpc.GenerationServicer):
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[generation_pb2.GenerateResponse]:
         self.requests.append(request)
+        self.arrivals.append((request.request_id, frozenset(self.finished)))
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -51,6 +57,7 @@ class FakeGateway(generation_pb2_grpc.GenerationServicer):
             yield generation_pb2.GenerateResponse(request_id=request.request_id, finish_reason=reason, usage=usage)
         finally:
             self.in_flight -= 1
+            self.finished.add(request.request_id)
 
     async def Complete(
         self, request: generation_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -182,3 +189,86 @@ async def test_rejects_bad_arguments() -> None:
         await run_benchmark("127.0.0.1:1", list(_workload(2)), max_concurrency=0)
     with pytest.raises(ValueError):
         await run_benchmark("127.0.0.1:1", list(_workload(2)), request_rate=0.0)
+
+
+def _conversations(n: int, turns: int) -> list[list[BenchRequest]]:
+    return multi_turn_dataset(n, turns, (3, 6), (1, 4), vocab_size=512, seed=9)
+
+
+def _turn_ids(conversations: list[list[BenchRequest]]) -> list[list[str]]:
+    """Each conversation's request ids: turns are numbered in record order."""
+    ids, i = [], 0
+    for turns in conversations:
+        ids.append([f"bench-{i + k}" for k in range(len(turns))])
+        i += len(turns)
+    return ids
+
+
+async def test_conversation_turns_wait_for_the_previous_turn(gateway: tuple[str, FakeGateway]) -> None:
+    address, fake = gateway
+    conversations = _conversations(4, 3)
+    records, _ = await run_conversations(address, conversations, progress=False)
+    flat = flatten(conversations)
+    assert [r.error for r in records] == [""] * len(flat)
+    assert [(r.prompt_len, r.num_output_tokens) for r in records] == [
+        (len(t.prompt_token_ids), t.output_len) for t in flat
+    ]
+    sent = {m.request_id: list(m.token_ids.ids) for m in fake.requests}
+    assert [sent[f"bench-{i}"] for i in range(len(flat))] == [t.prompt_token_ids for t in flat]
+    done_at_arrival = dict(fake.arrivals)
+    for ids in _turn_ids(conversations):
+        for previous, turn in itertools.pairwise(ids):
+            assert previous in done_at_arrival[turn], f"{turn} was sent before {previous} finished"
+
+
+async def test_conversations_run_side_by_side(gateway: tuple[str, FakeGateway]) -> None:
+    address, fake = gateway
+    # Each turn waits until one turn of every conversation is in flight: conversations sent one after another
+    # would time out, and a conversation overlapping its own turns would break the barrier's rounds.
+    fake.barrier = asyncio.Barrier(3)
+    records, _ = await run_conversations(address, _conversations(3, 4), progress=False)
+    assert all(r.success for r in records), [r.error for r in records]
+    assert fake.max_in_flight == 3
+
+
+async def test_a_conversation_keeps_its_slot_until_its_last_turn(gateway: tuple[str, FakeGateway]) -> None:
+    address, fake = gateway
+    conversations = _conversations(3, 3)
+    records, _ = await run_conversations(address, conversations, max_concurrency=1, progress=False)
+    assert all(r.success for r in records)
+    # One slot: a conversation runs to its end before the next one starts.
+    assert [request_id for request_id, _ in fake.arrivals] == [i for ids in _turn_ids(conversations) for i in ids]
+    fake.arrivals.clear()
+    fake.max_in_flight = 0
+    await run_conversations(address, _conversations(5, 2), max_concurrency=2, progress=False)
+    assert fake.max_in_flight <= 2
+
+
+async def test_conversations_start_at_their_arrival_times(
+    gateway: tuple[str, FakeGateway], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    address, _ = gateway
+    deadlines: list[float] = []
+
+    async def no_sleep(deadline: float) -> None:
+        deadlines.append(deadline)
+
+    monkeypatch.setattr(runner, "_sleep_until", no_sleep)
+    conversations = _conversations(5, 3)
+    records, _ = await run_conversations(address, conversations, request_rate=4.0, seed=2, progress=False)
+    assert len(records) == 15 and all(r.success for r in records)
+    # The rate counts conversation starts; later turns follow their predecessor, not the clock.
+    expected = send_offsets(inter_arrival_times(5, 4.0, 1.0, seed=2))
+    assert [d - deadlines[0] for d in deadlines] == pytest.approx(expected, abs=1e-9)
+
+
+async def test_run_warmups_sends_first_turns_only(gateway: tuple[str, FakeGateway]) -> None:
+    address, fake = gateway
+    conversations = _conversations(2, 3)
+    await run_warmups(address, conversations, 3, max_concurrency=2)
+    assert sorted(m.request_id for m in fake.requests) == ["bench-warmup-0", "bench-warmup-1", "bench-warmup-2"]
+    firsts = [c[0].prompt_token_ids for c in conversations]
+    assert sorted(list(m.token_ids.ids) for m in fake.requests) == sorted([firsts[0], firsts[1], firsts[0]])
+    assert all(m.sampling.max_tokens <= WARMUP_OUTPUT_LEN for m in fake.requests)
+    await run_warmups(address, conversations, 0)
+    assert len(fake.requests) == 3
