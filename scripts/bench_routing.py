@@ -79,6 +79,8 @@ class Plan:
     first_turn_input: Range | None
     # Conversations in flight at once (each keeps its slot for all of its turns).
     chat_concurrency: int
+    # Conversation starts per second (gamma arrivals, as `meshserve bench --request-rate`); inf: all at once.
+    chat_request_rate: float
     mixed_prompts: int
     mixed_input: Range
     mixed_output: Range
@@ -98,6 +100,7 @@ FULL = Plan(
     turn_output=(16, 48),
     first_turn_input=None,
     chat_concurrency=8,
+    chat_request_rate=math.inf,
     mixed_prompts=32,
     mixed_input=(32, 512),
     mixed_output=(16, 96),
@@ -113,6 +116,7 @@ QUICK = Plan(
     turn_output=(8, 8),
     first_turn_input=None,
     chat_concurrency=4,
+    chat_request_rate=math.inf,
     mixed_prompts=8,
     mixed_input=(16, 64),
     mixed_output=(4, 16),
@@ -338,13 +342,13 @@ async def _warm_up(suite: Suite, warmup: list[BenchRequest]) -> None:
 
 async def _measure(
     name: str, spec: SuiteSpec, suite: Suite, conversations: list[Conversation], concurrency: int,
-    warmup: list[BenchRequest],
+    warmup: list[BenchRequest], request_rate: float,
 ) -> Run:  # fmt: skip
     await _warm_up(suite, warmup)
     await wait_until_quiet(suite.pids)
     before, cpu_before = await fetch_stats(suite.scheduler_address), cpu_sample(suite.pids)
     records, duration = await run_conversations(
-        suite.address, conversations, max_concurrency=concurrency, progress=False
+        suite.address, conversations, request_rate=request_rate, max_concurrency=concurrency, progress=False
     )
     cpu_after = cpu_sample(suite.pids)
     cache = stats_delta(before, await fetch_stats(suite.scheduler_address))
@@ -361,10 +365,11 @@ def measure(
     conversations: list[Conversation],
     concurrency: int,
     warmup: list[BenchRequest],
+    request_rate: float = math.inf,
 ) -> Run:
     """Start a fresh suite, warm it up, run the workload once and stop the suite."""
     with running_suite(spec, model_dir, log_dir / name) as suite:
-        run = asyncio.run(_measure(name, spec, suite, conversations, concurrency, warmup))
+        run = asyncio.run(_measure(name, spec, suite, conversations, concurrency, warmup, request_rate))
     s = run.summary
     log(
         f"{name}: {s.duration_s:.0f}s, mean TTFT {s.mean_ttft_ms:.0f} ms, {s.output_throughput:.1f} output tok/s, "
@@ -469,10 +474,15 @@ def describe_chat(plan: Plan) -> str:
     opening = (
         "" if plan.first_turn_input is None else f"an opening turn of {_span(plan.first_turn_input)} tokens, then "
     )
+    arrivals = (
+        "all starting at once"
+        if math.isinf(plan.chat_request_rate)
+        else (f"starting at {plan.chat_request_rate:g} per second")
+    )
     return (
         f"{plan.num_conversations} conversations x {plan.num_turns} turns, {opening}{_span(plan.turn_input)} new user "
-        f"tokens and {_span(plan.turn_output)} output tokens per turn, {plan.chat_concurrency} conversations "
-        "at once"
+        f"tokens and {_span(plan.turn_output)} output tokens per turn, at most {plan.chat_concurrency} at once, "
+        f"{arrivals}"
     )
 
 
@@ -503,8 +513,10 @@ def git_commit() -> str | None:
 
 
 # The chat traces --chat-trace picks; FULL's own is `even`.
-DOCUMENT_CHAT = {"first_turn_input": (1000, 1400), "turn_input": (20, 60)}
-QUICK_DOCUMENT_CHAT = {"first_turn_input": (256, 256), "turn_input": (16, 16)}
+# Users arrive one every two seconds on average and chat for 10 turns, as a chat service sees them; with
+# every conversation opening at once, the first turns' queue (the same under any routing) hides the rest.
+DOCUMENT_CHAT = {"first_turn_input": (1000, 1400), "turn_input": (20, 60), "num_turns": 10, "chat_request_rate": 0.5}
+QUICK_DOCUMENT_CHAT = {"first_turn_input": (256, 256), "turn_input": (16, 16), "chat_request_rate": 2.0}
 CHAT_TRACES = ("document", "even")
 
 
@@ -576,7 +588,16 @@ def run_chat(ns: argparse.Namespace, plan: Plan, model_dir: Path, vocab: int, lo
             spec = suite_spec(ns, plan, 2, routing)
             name = f"chat-{routing}-{i + 1}"
             runs[routing].append(
-                measure(name, spec, model_dir, log_dir, chat, plan.chat_concurrency, warmup_requests(vocab))
+                measure(
+                    name,
+                    spec,
+                    model_dir,
+                    log_dir,
+                    chat,
+                    plan.chat_concurrency,
+                    warmup_requests(vocab),
+                    plan.chat_request_rate,
+                )
             )
     kv, rr = (median_run(runs[routing], "mean_ttft_ms") for routing in ROUTING_MODES)
     ratios = ttft_ratios(kv, rr)
