@@ -167,11 +167,23 @@ async def run(ns: argparse.Namespace) -> int:
 
 
 async def _wait_for_stop_or_exit(launcher: Launcher, stop: asyncio.Event) -> None:
+    """Until Ctrl-C. A worker that exits is reported and the suite serves on with the others (the scheduler
+    moves its requests); the scheduler, the gateway or the last worker exiting ends the suite."""
+    reported: set[str] = set()
     while not stop.is_set():
         for service in launcher.services:
-            if service.process.poll() is not None:
+            if service.process.poll() is None or service.name in reported:
+                continue
+            workers_left = [s for s in launcher.services if s.name.startswith("worker-") and s.process.poll() is None]
+            if not service.name.startswith("worker-") or not workers_left:
                 raise RuntimeError(
                     f"{service.name} exited with code {service.process.returncode}; log:\n{service.log_tail()}"
                 )
+            reported.add(service.name)
+            say(
+                f"meshserve: {service.name} exited with code {service.process.returncode}; serving on with "
+                f"{len(workers_left)} worker(s) (its log: {service.log_path})",
+                sys.stderr,
+            )
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=1.0)

@@ -104,3 +104,47 @@ def test_ctrl_c_stops_every_service_when_stdout_is_gone(tiny_model_dir: Path, tm
         up.kill()
         up.wait()
         _kill(services)
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text().split("\0")
+    except OSError:
+        return []
+
+
+def test_a_dead_worker_leaves_the_suite_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
+    errors = tmp_path / "up.stderr"
+    port = free_port()
+    with errors.open("w") as stderr:
+        up = subprocess.Popen(
+            [*CLI, "up", "--model", str(tiny_model_dir), "--port", str(port), "--scheduler-port", str(free_port()),
+             "--worker-port", str(free_port()), "--log-dir", str(tmp_path), "--kv-cache-memory", "64MiB",
+             "--workers", "2"],
+            stdout=subprocess.PIPE, stderr=stderr, text=True,
+        )  # fmt: skip
+    services: set[Process] = set()
+    try:
+        wait_for_line(up, BANNER, STARTUP_S)
+        services = _children(up.pid)
+        [victim] = [p for p in services if "worker-1" in _cmdline(p[0])]
+        subprocess.run(["kill", "-KILL", str(victim[0])], check=True)
+        assert not _survivors({victim}, EXIT_S)
+        # The rest serves on: a request through the gateway completes on worker-0.
+        reply = subprocess.run(
+            [*CLI, "generate", "--raw", "--address", f"127.0.0.1:{port}", "--max-tokens", "4", "--temperature", "0",
+             "hi"],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert reply.returncode == 0, reply.stderr
+        deadline = time.monotonic() + EXIT_S
+        while "worker-1 exited" not in errors.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)  # up looks at its children once a second
+        assert "worker-1 exited" in errors.read_text()
+        assert up.poll() is None, "up stopped the whole suite for one worker"
+        up.send_signal(signal.SIGINT)
+        assert up.wait(EXIT_S) == 0, errors.read_text()
+    finally:
+        up.kill()
+        up.wait()
+        _kill(services)
