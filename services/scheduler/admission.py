@@ -66,10 +66,9 @@ def admit(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits, now: float |
 
 def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
     """Raise InvalidField for the first bad field; returns the resolved max_tokens."""
-    if submit.ByteSize() > MAX_SUBMISSION_BYTES:
-        raise InvalidField(
-            "request", f"is {submit.ByteSize()} bytes; a submission may be at most {MAX_SUBMISSION_BYTES}"
-        )
+    size = submit.ByteSize()
+    if size > MAX_SUBMISSION_BYTES:
+        raise InvalidField("request", f"is {size} bytes; a submission may be at most {MAX_SUBMISSION_BYTES}")
     if not submit.request_id:
         raise InvalidField("request_id", "is empty; the caller must choose a unique id")
     if len(submit.request_id) > MAX_REQUEST_ID_CHARS:
