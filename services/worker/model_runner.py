@@ -26,8 +26,8 @@ from services.worker.startup_error import StartupError
 from services.worker.weights import (
     ModelSource,
     iter_weights,
+    kv_format,
     load_hf_config,
-    model_fingerprint,
     model_identity,
     resolve_model_path,
 )
@@ -82,13 +82,8 @@ class ModelRunner:
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = source.name
         self.model_identity: str = model_identity(source)
-        self.fingerprint: str = model_fingerprint(
-            source,
-            kv_dtype=self.precision.name,
-            block_size=self.block_size,
-            tp_size=self.tp.size,
-            rank=self.tp.rank,
-            layout=self.platform.ops.kv_layout,
+        self.kv_format: str = kv_format(
+            source, kv_dtype=str(self.precision.kv_dtype).removeprefix("torch."), block_size=self.block_size
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)

@@ -158,7 +158,7 @@ async def _serve_driver(
         worker_id=worker_id,
         device=runner.device_type,
         tensor_parallel_size=runner.tp.size,
-        kv_format=runner.fingerprint,
+        kv_format=runner.kv_format,
         model_identity=runner.model_identity,
         model_name=runner.model_name,
         block_size=runner.block_size,

@@ -1,4 +1,4 @@
-"""Find a model's config and weights (HF safetensors directory or GGUF file) and fingerprint it."""
+"""Find a model's config and weights (HF safetensors directory or GGUF file); its identity and KV format key."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from services.common.kv_store_limits import KV_FORMAT_PREFIX
 
 
 @dataclass(frozen=True)
@@ -95,26 +97,12 @@ def model_identity(source: ModelSource) -> str:
     return _digest(_identity_fields(source))
 
 
-def model_fingerprint(
-    source: ModelSource,
-    *,
-    kv_dtype: str,
-    block_size: int,
-    tp_size: int = 1,
-    rank: int = 0,
-    layout: str = "NHD",
-) -> str:
-    """sha256 over model identity, KV dtype, block size, KV layout, TP size and rank.
+def kv_format(source: ModelSource, *, kv_dtype: str, block_size: int) -> str:
+    """The KV format key: which KV blocks are interchangeable between workers and through the kvstore.
 
-    Identity is config.json's content (when present) plus weight file names and sizes, so two
-    workers loading the same files produce interchangeable KV blocks.
+    sha256 over the model identity, the KV dtype and the block size, and nothing else: the tensor-parallel
+    size, the rank and the device's cache layout do not change a block's content, because blocks travel in
+    the store's canonical head-major layout with all KV heads (each rank reads and writes its own heads).
     """
-    identity = {
-        **_identity_fields(source),
-        "kv_dtype": kv_dtype,
-        "block_size": block_size,
-        "layout": f"{layout}-paged",
-        "tp_size": tp_size,
-        "rank": rank,
-    }
-    return _digest(identity)
+    fields = {**_identity_fields(source), "kv_dtype": kv_dtype, "block_size": block_size}
+    return KV_FORMAT_PREFIX + _digest(fields)

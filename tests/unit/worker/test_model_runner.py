@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from services.common.kv_store_limits import is_valid_kv_format
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
@@ -187,9 +188,9 @@ def test_runner_attributes(llama_dir: Path) -> None:
     assert runner.vocab_size == 512
     assert runner.model_name == llama_dir.name
     assert runner.device_type == "cpu"
-    assert len(runner.fingerprint) == 64
+    assert is_valid_kv_format(runner.kv_format)
     assert runner.num_blocks >= 512 // 16
-    assert _runner(llama_dir, block_size=8).fingerprint != runner.fingerprint
+    assert _runner(llama_dir, block_size=8).kv_format != runner.kv_format
     runner.close()
 
 

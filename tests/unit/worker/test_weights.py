@@ -9,14 +9,16 @@ from typing import cast
 import pytest
 import torch
 
+from services.common.kv_store_limits import is_valid_kv_format
 from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from services.worker.platforms import get_platform
 from services.worker.precision import parse_precision
 from services.worker.weights import (
     ModelSource,
     iter_weights,
+    kv_format,
     load_hf_config,
-    model_fingerprint,
+    model_identity,
     resolve_model_path,
 )
 from tests.support.tiny_model import make_tiny_model
@@ -50,19 +52,20 @@ def test_gguf_source_and_name(tmp_path: Path) -> None:
     assert source.weight_files() == [tmp_path.resolve() / gguf.name]
 
 
-def test_fingerprint_covers_identity(tiny_dir: Path, tmp_path: Path) -> None:
+def test_kv_format_covers_identity_dtype_and_block_size_only(tiny_dir: Path, tmp_path: Path) -> None:
     source = resolve_model_path(tiny_dir)
-    base = model_fingerprint(source, kv_dtype="float32", block_size=16)
-    assert base == model_fingerprint(resolve_model_path(tiny_dir), kv_dtype="float32", block_size=16)
+    base = kv_format(source, kv_dtype="float32", block_size=16)
+    assert is_valid_kv_format(base)
+    assert base == kv_format(resolve_model_path(tiny_dir), kv_dtype="float32", block_size=16)
     variants = {
-        model_fingerprint(source, kv_dtype="bfloat16", block_size=16),
-        model_fingerprint(source, kv_dtype="float32", block_size=32),
-        model_fingerprint(source, kv_dtype="float32", block_size=16, tp_size=2),
-        model_fingerprint(source, kv_dtype="float32", block_size=16, rank=1),
+        kv_format(source, kv_dtype="bfloat16", block_size=16),
+        kv_format(source, kv_dtype="float32", block_size=32),
     }
-    assert base not in variants and len(variants) == 4
+    assert base not in variants and len(variants) == 2
     other = make_tiny_model(tmp_path / "other", model_type="qwen2", num_layers=2)
-    assert model_fingerprint(resolve_model_path(other), kv_dtype="float32", block_size=16) != base
+    assert kv_format(resolve_model_path(other), kv_dtype="float32", block_size=16) != base
+    # Not part of it: the identity (which workers may serve) is the weights alone.
+    assert model_identity(source) not in base
 
 
 FP32 = parse_precision("fp32-fp32-fp32", platform_default="fp32-fp32-fp32")

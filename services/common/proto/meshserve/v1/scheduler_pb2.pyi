@@ -370,6 +370,10 @@ class WorkerPoolStats(_message.Message):
     PREFIX_CACHE_QUERIES_FIELD_NUMBER: _builtins.int
     PREFIX_CACHE_HITS_FIELD_NUMBER: _builtins.int
     NUM_STEPS_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOADED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOAD_MISSES_FIELD_NUMBER: _builtins.int
+    KV_STORE_SAVES_FIELD_NUMBER: _builtins.int
+    KV_STORE_SAVES_DROPPED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """The worker's id from its hello."""
     num_blocks: _builtins.int
@@ -392,6 +396,16 @@ class WorkerPoolStats(_message.Message):
     """Of those, tokens found."""
     num_steps: _builtins.int
     """Steps this worker executed."""
+    kv_store_loaded_tokens: _builtins.int
+    """Prompt tokens this worker loaded from the kvstore instead of computing."""
+    kv_store_load_misses: _builtins.int
+    """Blocks a load asked for and did not get (missing, corrupt or the store
+    unreachable); their tokens were recomputed.
+    """
+    kv_store_saves: _builtins.int
+    """Blocks sent to this worker to save to the kvstore."""
+    kv_store_saves_dropped: _builtins.int
+    """Of those, saves the worker dropped (its queue full or the store refused)."""
     def __init__(
         self,
         *,
@@ -406,10 +420,14 @@ class WorkerPoolStats(_message.Message):
         prefix_cache_queries: _builtins.int = ...,
         prefix_cache_hits: _builtins.int = ...,
         num_steps: _builtins.int = ...,
+        kv_store_loaded_tokens: _builtins.int = ...,
+        kv_store_load_misses: _builtins.int = ...,
+        kv_store_saves: _builtins.int = ...,
+        kv_store_saves_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_routed", b"num_routed", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_store_load_misses", b"kv_store_load_misses", "kv_store_loaded_tokens", b"kv_store_loaded_tokens", "kv_store_saves", b"kv_store_saves", "kv_store_saves_dropped", b"kv_store_saves_dropped", "num_blocks", b"num_blocks", "num_cached_blocks", b"num_cached_blocks", "num_free_blocks", b"num_free_blocks", "num_routed", b"num_routed", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "state", b"state", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -431,6 +449,12 @@ class SchedulerStats(_message.Message):
     NUM_FINISHED_FIELD_NUMBER: _builtins.int
     NUM_WORKERS_LOST_FIELD_NUMBER: _builtins.int
     NUM_REQUEUED_FIELD_NUMBER: _builtins.int
+    KV_STORE_ENABLED_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOADED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOAD_MISSES_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOOKUPS_FIELD_NUMBER: _builtins.int
+    KV_STORE_LOOKUP_ERRORS_FIELD_NUMBER: _builtins.int
+    KV_STORE_RESUMED_FIELD_NUMBER: _builtins.int
     num_waiting: _builtins.int
     """Requests waiting to be admitted."""
     num_running: _builtins.int
@@ -453,6 +477,23 @@ class SchedulerStats(_message.Message):
     """Workers lost (stream broken, heartbeat or step timeout) since start."""
     num_requeued: _builtins.int
     """Requests moved to another worker after their worker was lost."""
+    kv_store_enabled: _builtins.bool
+    """Whether the scheduler has a kvstore (--kv-store)."""
+    kv_store_loaded_tokens: _builtins.int
+    """Prompt and resumed tokens loaded from the kvstore instead of computed,
+    all workers.
+    """
+    kv_store_load_misses: _builtins.int
+    """Blocks asked for in loads and not received (recomputed instead)."""
+    kv_store_lookups: _builtins.int
+    """Lookups the scheduler made (one per admission attempt with uncached
+    blocks) and lookups that failed (store unreachable: treated as a miss).
+    """
+    kv_store_lookup_errors: _builtins.int
+    kv_store_resumed: _builtins.int
+    """Requests that resumed from stored blocks after a preemption or after
+    their worker was lost.
+    """
     @_builtins.property
     def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerPoolStats]:
         """One entry per attached worker."""
@@ -472,10 +513,16 @@ class SchedulerStats(_message.Message):
         num_finished: _builtins.int = ...,
         num_workers_lost: _builtins.int = ...,
         num_requeued: _builtins.int = ...,
+        kv_store_enabled: _builtins.bool = ...,
+        kv_store_loaded_tokens: _builtins.int = ...,
+        kv_store_load_misses: _builtins.int = ...,
+        kv_store_lookups: _builtins.int = ...,
+        kv_store_lookup_errors: _builtins.int = ...,
+        kv_store_resumed: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch_size", b"max_batch_size", "num_finished", b"num_finished", "num_mixed_steps", b"num_mixed_steps", "num_preemptions", b"num_preemptions", "num_requeued", b"num_requeued", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "num_workers_lost", b"num_workers_lost", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_store_enabled", b"kv_store_enabled", "kv_store_load_misses", b"kv_store_load_misses", "kv_store_loaded_tokens", b"kv_store_loaded_tokens", "kv_store_lookup_errors", b"kv_store_lookup_errors", "kv_store_lookups", b"kv_store_lookups", "kv_store_resumed", b"kv_store_resumed", "max_batch_size", b"max_batch_size", "num_finished", b"num_finished", "num_mixed_steps", b"num_mixed_steps", "num_preemptions", b"num_preemptions", "num_requeued", b"num_requeued", "num_running", b"num_running", "num_steps", b"num_steps", "num_waiting", b"num_waiting", "num_workers_lost", b"num_workers_lost", "prefix_cache_hits", b"prefix_cache_hits", "prefix_cache_queries", b"prefix_cache_queries", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

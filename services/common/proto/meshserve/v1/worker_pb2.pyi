@@ -174,6 +174,7 @@ class WorkerHello(_message.Message):
     MAX_NUM_SEQS_FIELD_NUMBER: _builtins.int
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
+    KV_STORE_ENABLED_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique per worker process (host:pid:port by default)."""
     device: _builtins.str
@@ -205,6 +206,10 @@ class WorkerHello(_message.Message):
     of one scheduler must have the same identity, whatever its device, TP
     size or block size; it decides which workers may serve a request.
     """
+    kv_store_enabled: _builtins.bool
+    """Whether the worker has a kvstore (its --kv-store is set): only then does
+    the scheduler send it kv_loads and kv_saves.
+    """
     def __init__(
         self,
         *,
@@ -221,10 +226,11 @@ class WorkerHello(_message.Message):
         max_num_seqs: _builtins.int = ...,
         max_num_batched_tokens: _builtins.int = ...,
         model_identity: _builtins.str = ...,
+        kv_store_enabled: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "kv_format", b"kv_format", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_identity", b"model_identity", "model_name", b"model_name", "num_blocks", b"num_blocks", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "kv_format", b"kv_format", "kv_store_enabled", b"kv_store_enabled", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_identity", b"model_identity", "model_name", b"model_name", "num_blocks", b"num_blocks", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -360,6 +366,8 @@ class Step(_message.Message):
     NEW_REQUESTS_FIELD_NUMBER: _builtins.int
     SCHEDULED_FIELD_NUMBER: _builtins.int
     REMOVED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
+    KV_LOADS_FIELD_NUMBER: _builtins.int
+    KV_SAVES_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Increasing id; the StepResult echoes it."""
     @_builtins.property
@@ -376,6 +384,21 @@ class Step(_message.Message):
         preempted) since the last step; their blocks may be reused from now on.
         """
 
+    @_builtins.property
+    def kv_loads(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVLoad]:
+        """Blocks to fill from the kvstore, off the step path: the worker starts
+        these loads and answers each in a later StepResult.kv_loads_done. The
+        blocks belong to a request the scheduler holds back until then; no step
+        reads or writes them meanwhile.
+        """
+
+    @_builtins.property
+    def kv_saves(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVBlockRef]:
+        """Full blocks whose KV this step completes: after computing the step the
+        worker copies them and writes them to the kvstore in the background
+        (dropped, and counted, when its save queue is full).
+        """
+
     def __init__(
         self,
         *,
@@ -383,14 +406,102 @@ class Step(_message.Message):
         new_requests: _abc.Iterable[Global___NewRequest] | None = ...,
         scheduled: _abc.Iterable[Global___ScheduledRequest] | None = ...,
         removed_request_ids: _abc.Iterable[_builtins.str] | None = ...,
+        kv_loads: _abc.Iterable[Global___KVLoad] | None = ...,
+        kv_saves: _abc.Iterable[Global___KVBlockRef] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_requests", b"new_requests", "removed_request_ids", b"removed_request_ids", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_loads", b"kv_loads", "kv_saves", b"kv_saves", "new_requests", b"new_requests", "removed_request_ids", b"removed_request_ids", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___Step: _TypeAlias = Step  # noqa: Y015
+
+@_typing.final
+class KVBlockRef(_message.Message):
+    """One KV block of the worker's cache and the content hash it holds (or is to
+    hold).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    BLOCK_ID_FIELD_NUMBER: _builtins.int
+    BLOCK_HASH_FIELD_NUMBER: _builtins.int
+    block_id: _builtins.int
+    """Block id in the worker's cache."""
+    block_hash: _builtins.bytes
+    """Chained content hash of the block's tokens, 32 bytes."""
+    def __init__(
+        self,
+        *,
+        block_id: _builtins.int = ...,
+        block_hash: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hash", b"block_hash", "block_id", b"block_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVBlockRef: _TypeAlias = KVBlockRef  # noqa: Y015
+
+@_typing.final
+class KVLoad(_message.Message):
+    """Blocks of one request's prefix to read from the kvstore."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_ID_FIELD_NUMBER: _builtins.int
+    BLOCKS_FIELD_NUMBER: _builtins.int
+    load_id: _builtins.int
+    """Unique per scheduler stream; kv_loads_done echoes it."""
+    @_builtins.property
+    def blocks(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVBlockRef]:
+        """The blocks in prefix order; only a leading run can be used, so loading
+        stops at the first block the store does not have.
+        """
+
+    def __init__(
+        self,
+        *,
+        load_id: _builtins.int = ...,
+        blocks: _abc.Iterable[Global___KVBlockRef] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["blocks", b"blocks", "load_id", b"load_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVLoad: _TypeAlias = KVLoad  # noqa: Y015
+
+@_typing.final
+class KVLoadDone(_message.Message):
+    """The outcome of one KVLoad."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LOAD_ID_FIELD_NUMBER: _builtins.int
+    NUM_LOADED_FIELD_NUMBER: _builtins.int
+    load_id: _builtins.int
+    """The KVLoad this answers."""
+    num_loaded: _builtins.int
+    """Leading blocks of the load whose KV is now in the cache, on every rank;
+    the scheduler recomputes the rest.
+    """
+    def __init__(
+        self,
+        *,
+        load_id: _builtins.int = ...,
+        num_loaded: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["load_id", b"load_id", "num_loaded", b"num_loaded"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___KVLoadDone: _TypeAlias = KVLoadDone  # noqa: Y015
 
 @_typing.final
 class SampledToken(_message.Message):
@@ -430,6 +541,8 @@ class StepResult(_message.Message):
     SAMPLED_FIELD_NUMBER: _builtins.int
     EXECUTE_SECONDS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    KV_LOADS_DONE_FIELD_NUMBER: _builtins.int
+    KV_SAVES_DROPPED_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """The Step this answers."""
     execute_seconds: _builtins.float
@@ -438,11 +551,19 @@ class StepResult(_message.Message):
     """Non-empty when the step failed; the scheduler fails the step's requests
     with this text instead of losing the worker.
     """
+    kv_saves_dropped: _builtins.int
+    """Saves the worker dropped since the last StepResult (its queue was full or
+    the store refused them).
+    """
     @_builtins.property
     def sampled(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """One entry per request that finished its prefill or decoded in this step;
         requests mid-way through a chunked prefill get none.
         """
+
+    @_builtins.property
+    def kv_loads_done(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVLoadDone]:
+        """Loads finished since the last StepResult, in the order they were sent."""
 
     def __init__(
         self,
@@ -451,10 +572,12 @@ class StepResult(_message.Message):
         sampled: _abc.Iterable[Global___SampledToken] | None = ...,
         execute_seconds: _builtins.float = ...,
         error: _builtins.str = ...,
+        kv_loads_done: _abc.Iterable[Global___KVLoadDone] | None = ...,
+        kv_saves_dropped: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "execute_seconds", b"execute_seconds", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "execute_seconds", b"execute_seconds", "kv_loads_done", b"kv_loads_done", "kv_saves_dropped", b"kv_saves_dropped", "sampled", b"sampled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
