@@ -20,6 +20,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, work
 from services.common.sampling_checks import InvalidField
 from services.scheduler.admission import ModelLimits, admit
 from services.scheduler.engine import WorkerLoop, WorkerState
+from services.scheduler.kv_lookup import KVStoreLookup
 from services.scheduler.metrics import SchedulerMetrics, WorkerMetrics
 from services.scheduler.outputs import OutputProcessor
 from services.scheduler.request import Request
@@ -27,7 +28,7 @@ from services.scheduler.router import RoutingPolicy, choose_worker
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.submissions import Failure, Sink, Submission
 from services.scheduler.waiting_queue import WaitingQueue
-from services.scheduler.worker_scheduler import RequestOutput
+from services.scheduler.worker_scheduler import KVStoreUse, RequestOutput
 
 log = structlog.get_logger()
 
@@ -62,6 +63,13 @@ class Cluster:
         self._wait_timers: dict[str, asyncio.TimerHandle] = {}
         self._idle = asyncio.Event()
         self._idle.set()
+        self.kv_lookup = (
+            KVStoreLookup(settings.kv_store, settings.kv_store_lookup_timeout, metrics) if settings.kv_store else None
+        )
+        # Requests between admission (or losing their worker) and routing, while the kvstore is asked about
+        # them; and the tasks asking.
+        self._looking_up: dict[str, Request] = {}
+        self._lookup_tasks: set[asyncio.Task[None]] = set()
 
     # ---- registry --------------------------------------------------------
 
@@ -109,6 +117,7 @@ class Cluster:
             enable_prefix_caching=s.enable_prefix_caching,
             depth=2 if s.async_scheduling else 1,
             listener=WorkerMetrics(self.metrics, hello.worker_id),
+            kv_store=self._kv_store_use(hello),
         )
         self.workers[hello.worker_id] = worker
         log.info(
@@ -121,6 +130,12 @@ class Cluster:
         )
         self._update_gauges()
         return worker
+
+    def _kv_store_use(self, hello: worker_pb2.WorkerHello) -> KVStoreUse | None:
+        """Loads and saves for this worker need a store on both ends and block hashes (prefix caching)."""
+        if self.kv_lookup is None or not hello.kv_store_enabled or not self.settings.enable_prefix_caching:
+            return None
+        return KVStoreUse(kv_format=hello.kv_format, swap=self.settings.preemption_mode == "swap")
 
     def mark_ready(self, worker: WorkerLoop) -> None:
         """The worker was told it is accepted: route to it, starting with requests that waited for a worker."""
@@ -170,7 +185,7 @@ class Cluster:
     # ---- requests --------------------------------------------------------
 
     def num_waiting(self) -> int:
-        return len(self.parked) + sum(len(w.waiting) for w in self.workers.values())
+        return len(self.parked) + len(self._looking_up) + sum(len(w.waiting) for w in self.workers.values())
 
     def submit(self, submit: scheduler_pb2.SubmitRequest, sink: Sink) -> Submission | Failure:
         """Admit, route and queue a request whose events go to sink; or why not."""
@@ -197,7 +212,10 @@ class Cluster:
         sub = Submission(admitted, sink)
         self.submissions[admitted.request_id] = sub
         self._idle.clear()
-        self._route(admitted)
+        if self._store_formats() and admitted.num_tokens > 1:
+            self._look_up_then_place([admitted], front=False)
+        else:
+            self._route(admitted)
         if admitted.deadline is not None:
             self._deadline_timers[admitted.request_id] = _later(
                 admitted.deadline - time.monotonic(), self._deadline_passed, admitted.request_id
@@ -226,6 +244,7 @@ class Cluster:
         if sub is not None:
             sub.finished = True
         found = self.parked.remove(request_id) is not None
+        found = self._looking_up.pop(request_id, None) is not None or found
         for worker in self.workers.values():
             found = worker.abort(request_id) or found
         if found:
@@ -264,11 +283,48 @@ class Cluster:
         self.metrics.routed.labels(worker=chosen).inc()
         return True
 
+    def _store_formats(self) -> list[tuple[str, int]]:
+        """(KV format, block size) of each kind of ready worker that loads from the kvstore."""
+        formats = {
+            (w.planner.kv_store.kv_format, w.planner.block_size)
+            for w in self.ready_workers()
+            if w.planner.kv_store is not None
+        }
+        return sorted(formats)
+
+    def _look_up_then_place(self, requests: list[Request], front: bool) -> None:
+        """Ask the kvstore how much of each request is stored, then route them (in their order)."""
+        assert self.kv_lookup is not None
+        lookup = self.kv_lookup
+        formats = self._store_formats()
+        for request in requests:
+            self._looking_up[request.request_id] = request
+
+        async def run() -> None:
+            try:
+                await asyncio.gather(*(lookup.lookup(r, formats) for r in requests))
+            finally:
+                # Those aborted meanwhile were taken out of _looking_up.
+                live = [r for r in requests if self._looking_up.pop(r.request_id, None) is not None]
+                self._place(live, front)
+                self._update_gauges()
+
+        task = asyncio.get_running_loop().create_task(run())
+        self._lookup_tasks.add(task)
+        task.add_done_callback(self._lookup_tasks.discard)
+
     def _requeue(self, requests: list[Request]) -> None:
         """Requests that must run elsewhere go to the heads of other workers' queues (in their order), or
-        wait up to --worker-wait-timeout for a worker when none is ready."""
-        for request in reversed(requests):
-            if self._route(request, front=True):
+        wait up to --worker-wait-timeout for a worker when none is ready. With a kvstore they first learn
+        what of them is stored, so they resume from saved blocks instead of recomputing."""
+        if requests and self._store_formats():
+            self._look_up_then_place(requests, front=True)
+        else:
+            self._place(requests, front=True)
+
+    def _place(self, requests: list[Request], front: bool) -> None:
+        for request in reversed(requests) if front else requests:
+            if self._route(request, front=front):
                 continue
             if self.ready_workers() or self.stopping:
                 why = "no attached worker can hold this request" if not self.stopping else "scheduler is shutting down"
@@ -320,7 +376,11 @@ class Cluster:
             num_finished=self.outputs.num_finished,
             num_workers_lost=self.num_workers_lost,
             num_requeued=self.num_requeued,
+            kv_store_enabled=self.kv_lookup is not None,
         )
+        if self.kv_lookup is not None:
+            out.kv_store_lookups = self.kv_lookup.num_lookups
+            out.kv_store_lookup_errors = self.kv_lookup.num_errors
         for worker_id, worker in self.workers.items():
             s = worker.planner.stats()
             out.num_running += s.num_running
@@ -330,6 +390,9 @@ class Cluster:
             out.num_preemptions += s.num_preemptions
             out.prefix_cache_queries += s.prefix_cache_queries
             out.prefix_cache_hits += s.prefix_cache_hits
+            out.kv_store_loaded_tokens += s.kv_store_loaded_tokens
+            out.kv_store_load_misses += s.kv_store_load_misses
+            out.kv_store_resumed += s.kv_store_resumed
             out.workers.append(
                 scheduler_pb2.WorkerPoolStats(
                     worker_id=worker_id,
@@ -343,6 +406,10 @@ class Cluster:
                     prefix_cache_queries=s.prefix_cache_queries,
                     prefix_cache_hits=s.prefix_cache_hits,
                     num_steps=s.num_steps,
+                    kv_store_loaded_tokens=s.kv_store_loaded_tokens,
+                    kv_store_load_misses=s.kv_store_load_misses,
+                    kv_store_saves=s.kv_store_saves,
+                    kv_store_saves_dropped=s.kv_store_saves_dropped,
                 )
             )
         return out
@@ -360,6 +427,8 @@ class Cluster:
         self.closing = True
         for worker in self.workers.values():
             worker.wake.set()
+        if self.kv_lookup is not None:
+            await self.kv_lookup.close()
 
 
 def _later(delay: float, callback: Callable[[str], None], request_id: str) -> asyncio.TimerHandle:

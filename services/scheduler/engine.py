@@ -16,7 +16,7 @@ from services.common.proto.meshserve.v1 import worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.router import Candidate
 from services.scheduler.waiting_queue import WaitingQueue
-from services.scheduler.worker_scheduler import PlannerListener, RequestOutput, WorkerScheduler
+from services.scheduler.worker_scheduler import KVStoreUse, PlannerListener, RequestOutput, WorkerScheduler
 
 
 class WorkerState(enum.Enum):
@@ -74,6 +74,7 @@ class WorkerLoop:
         enable_prefix_caching: bool,
         depth: int,
         listener: PlannerListener | None = None,
+        kv_store: KVStoreUse | None = None,
     ) -> WorkerLoop:
         planner = WorkerScheduler(
             worker_id=hello.worker_id,
@@ -85,6 +86,7 @@ class WorkerLoop:
             enable_prefix_caching=enable_prefix_caching,
             waiting=WaitingQueue(),
             listener=listener,
+            kv_store=kv_store,
         )
         return cls(hello=hello, planner=planner, depth=depth)
 
@@ -102,8 +104,8 @@ class WorkerLoop:
 
     @property
     def is_idle(self) -> bool:
-        """Nothing running, queued or in flight."""
-        return not self._in_flight and self.planner.num_running == 0 and len(self.waiting) == 0
+        """Nothing admitted, queued or in flight."""
+        return not self._in_flight and self.planner.num_admitted == 0 and len(self.waiting) == 0
 
     # ---- routing -------------------------------------------------------
 
@@ -143,6 +145,9 @@ class WorkerLoop:
                 if h not in self._routed_hashes and kv.pool.get_cached_block(h) is None:
                     break
                 hit += 1
+        stored = 0
+        if self.planner.kv_store is not None:
+            stored = min(request.stored_blocks.get(self.planner.kv_store.kv_format, 0), max_hit)
         total_blocks = -(-request.num_tokens // bs)
         # A running request still in its prefill is queued work too: it is admitted long before it is done.
         prefilling = sum(
@@ -153,9 +158,10 @@ class WorkerLoop:
         return Candidate(
             worker_id=self.worker_id,
             cached_tokens=hit * bs,
+            stored_tokens=max(0, stored - hit) * bs,
             queued_tokens=self.waiting.num_tokens + prefilling,
             num_waiting=len(self.waiting),
-            num_running=self.planner.num_running,
+            num_running=self.planner.num_admitted,
             free_blocks=kv.pool.num_free_blocks,
             needed_blocks=total_blocks - hit,
             block_size=bs,
@@ -168,6 +174,9 @@ class WorkerLoop:
         if self.state not in (WorkerState.READY, WorkerState.DRAINING) or len(self._in_flight) >= self.depth:
             return None
         step = self.planner.schedule(admit=self.state is WorkerState.READY)
+        if step is None and not self._in_flight:
+            # Only loads are pending: an empty step collects their answers.
+            step = self.planner.poll_step()
         if step is not None:
             self._in_flight.append(_InFlight(step, now))
         return step

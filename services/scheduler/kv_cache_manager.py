@@ -53,9 +53,16 @@ class KVCacheManager:
             self.prefix_cache_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[Block] | None = None
+        self,
+        request: Request,
+        num_new_tokens: int,
+        new_computed_blocks: list[Block] | None = None,
+        index: bool = True,
     ) -> list[int] | None:
-        """Grow the request's table to hold num_new_tokens more; new block ids, or None if short."""
+        """Grow the request's table to hold num_new_tokens more; new block ids, or None if short.
+
+        index=False: the new blocks are to be loaded from the kvstore, so their hashes are registered only
+        once the load says which arrived (cache_loaded); until then no other request may hit them."""
         computed = new_computed_blocks or []
         table = self._blocks.get(request.request_id, [])
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
@@ -71,8 +78,24 @@ class KVCacheManager:
         new_blocks = computed + self.pool.allocate(num_needed)
         table.extend(new_blocks)
         self._blocks[request.request_id] = table
-        self._cache_blocks(request, min(total, request.num_tokens))
+        if index:
+            self._cache_blocks(request, min(total, request.num_tokens))
+        else:
+            self._num_cached.setdefault(request.request_id, len(computed))
         return [b.block_id for b in new_blocks]
+
+    def cache_loaded(self, request: Request, num_full_blocks: int) -> None:
+        """Register the hashes of the request's first num_full_blocks blocks, whose KV a load just wrote.
+
+        Not added to take_newly_cached(): those blocks came from the store and need no saving."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        before = self._num_cached.get(rid, 0)
+        if num_full_blocks > before:
+            hashes = request.get_block_hashes(self.block_size)
+            self.pool.cache_full_blocks(self._blocks[rid], hashes, before, num_full_blocks)
+            self._num_cached[rid] = num_full_blocks
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_prefix_caching:

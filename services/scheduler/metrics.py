@@ -79,6 +79,16 @@ class SchedulerMetrics:
         self.requests_requeued = Counter(
             "meshserve:requests_requeued", "Requests moved to another worker after theirs was lost", registry=registry
         )
+        self.kv_store_loaded_tokens = Counter(
+            "meshserve:kv_store_loaded_tokens", "Tokens loaded from the kvstore instead of computed", registry=registry
+        )
+        self.kv_store_load_misses = Counter(
+            "meshserve:kv_store_load_misses", "Blocks a load asked for and did not get (recomputed)", registry=registry
+        )
+        self.kv_store_lookups = Counter(
+            "meshserve:kv_store_lookups", "kvstore lookups, by outcome (hit, miss, error)", ["outcome"],
+            registry=registry,
+        )  # fmt: skip
         self.step_seconds = Histogram(
             "meshserve:step_duration_seconds",
             "Worker execute time of one step",
@@ -97,6 +107,10 @@ class WorkerMetrics:
 
     def preempted(self, request: Request) -> None:
         self._metrics.num_preemptions.inc()
+
+    def kv_loaded(self, num_tokens: int, num_missed_blocks: int) -> None:
+        self._metrics.kv_store_loaded_tokens.inc(num_tokens)
+        self._metrics.kv_store_load_misses.inc(num_missed_blocks)
 
     def prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self._metrics.prefix_cache_queries.inc(num_tokens)

@@ -14,6 +14,8 @@ class RequestStatus(enum.Enum):
     """Where a request is in its life."""
 
     WAITING = enum.auto()
+    # Admitted on a worker, its blocks reserved, while the worker loads a stored prefix into them.
+    WAITING_FOR_REMOTE_KV = enum.auto()
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     FINISHED_STOPPED = enum.auto()
@@ -76,6 +78,9 @@ class Request:
         self.stop_token_id: int | None = None
         # Which rule finished the request (set with a finished status).
         self.stop_kind: scheduler_pb2.StopKind.ValueType = scheduler_pb2.STOP_KIND_UNSPECIFIED
+        # Leading full blocks the kvstore holds, per KV format, as last looked up (or, after a swap-mode
+        # preemption, as saved); an estimate: a load that finds fewer recomputes the rest.
+        self.stored_blocks: dict[str, int] = {}
         # Hash chains of full blocks, per block size: workers of one scheduler may use different sizes.
         self._block_hashes: dict[int, list[bytes]] = {}
 

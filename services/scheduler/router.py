@@ -2,9 +2,10 @@
 
 `kv` (the default) works like Dynamo's KV router and SGLang's cache-aware router: the cost of a worker is
 the prompt tokens it would have to compute (those not already in its prefix cache, or about to be from a
-request queued there) plus the tokens it already has to get through. Repeated prefixes therefore stick to
-the worker holding them; a load cap keeps a popular prefix from herding every request onto one worker;
-ties go round-robin so unrelated traffic spreads.
+request queued there; a prefix held by the kvstore is cheap on every worker that has one) plus the tokens
+it already has to get through. Repeated prefixes therefore stick to the worker holding them; a load cap
+keeps a popular prefix from herding every request onto one worker; ties go round-robin so unrelated
+traffic spreads.
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ class RoutingPolicy(enum.StrEnum):
 # A running request makes every one of the worker's steps longer; counted as this many prompt tokens of
 # work, so a worker busy decoding is not mistaken for an idle one with a cold cache.
 DECODE_TOKENS_PER_RUNNING = 16
+# Loading a stored block costs this fraction of computing it (a copy from the kvstore against a forward pass;
+# on a CPU the store's Get runs at several GB/s, a prefill at a few thousand tokens per second).
+STORED_TOKEN_COST = 0.1
 # A worker may hold this many more requests than the least-loaded candidate before the router stops
 # sending it requests for their cached prefix (SGLang's balance threshold idea).
 LOAD_CAP_REQUESTS = 8
@@ -47,6 +51,8 @@ class Candidate:
     free_blocks: int
     needed_blocks: int
     block_size: int
+    # Tokens beyond cached_tokens the worker can load from the kvstore instead of computing.
+    stored_tokens: int = 0
 
     @property
     def num_requests(self) -> int:
@@ -55,7 +61,8 @@ class Candidate:
 
 def kv_cost(candidate: Candidate, prompt_tokens: int) -> int:
     """Tokens of work before this request's first token on this worker."""
-    uncached = prompt_tokens - candidate.cached_tokens
+    uncached = prompt_tokens - candidate.cached_tokens - candidate.stored_tokens
+    uncached += int(candidate.stored_tokens * STORED_TOKEN_COST)
     load = candidate.queued_tokens + DECODE_TOKENS_PER_RUNNING * candidate.num_running
     # Without room for its blocks the request waits for others to finish (or preempts one).
     shortage = max(0, candidate.needed_blocks - candidate.free_blocks) * candidate.block_size

@@ -43,4 +43,14 @@ class SchedulerSettings(ServiceSettings):
     worker_wait_timeout: float = Field(
         30.0, description="how long requests of a lost last worker wait for a worker to (re)attach", ge=0
     )
+    kv_store: str | None = Field(
+        None, description="host:port of the kvstore: prompts stored there load instead of recomputing (unset: off)"
+    )
+    kv_store_lookup_timeout: float = Field(
+        0.5, description="seconds a kvstore lookup may take before the request goes on as a miss", gt=0
+    )
+    preemption_mode: Literal["recompute", "swap"] = Field(
+        "recompute",
+        description="a preempted request resumes by recomputing, or (swap, needs --kv-store) from its saved blocks",
+    )
     retry_after: float = Field(1.0, description="seconds a refused caller is told to wait (google.rpc.RetryInfo)", ge=0)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from services.common.grpc_server import MAX_MESSAGE_BYTES
+from services.common.kv_store_limits import MAX_BLOCK_HASHES
 from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
@@ -18,6 +20,8 @@ STEP_NEW_REQUEST_BYTES = MAX_MESSAGE_BYTES // 2
 # Upper bound of one token id on the wire (a varint of an int32 id) and of a NewRequest's other fields.
 _TOKEN_BYTES = 5
 _NEW_REQUEST_OVERHEAD = 1024
+# Upper bound of one KVBlockRef of a KVLoad on the wire (a 32-byte hash, a block id, tags and lengths).
+_LOAD_BLOCK_BYTES = 48
 
 
 def new_request_bytes(request: Request) -> int:
@@ -52,6 +56,11 @@ class WorkerSchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     kv_cache_usage: float = 0.0
+    kv_store_loaded_tokens: int = 0
+    kv_store_load_misses: int = 0
+    kv_store_saves: int = 0
+    kv_store_saves_dropped: int = 0
+    kv_store_resumed: int = 0
 
 
 @dataclass
@@ -62,12 +71,35 @@ class _Planned:
     new_block_ids: list[int] = field(default_factory=list)
 
 
+@dataclass
+class _Load:
+    """A request whose blocks [first_block, first_block + num_blocks) the worker is loading from the kvstore."""
+
+    request: Request
+    first_block: int
+    num_blocks: int
+    # Its first admission (not a resume): the loaded tokens count as its cached_tokens.
+    first_admission: bool
+
+
+@dataclass(frozen=True)
+class KVStoreUse:
+    """How this worker's planner uses the kvstore (None in WorkerScheduler: not at all)."""
+
+    # The worker's KV format key: which stored blocks it can load.
+    kv_format: str
+    # --preemption-mode swap: a preempted request resumes from the blocks it saved, not by recomputing.
+    swap: bool = False
+
+
 class PlannerListener(Protocol):
     """Told of planning events as they happen, so counters move with the events (no diffing of totals)."""
 
     def preempted(self, request: Request) -> None: ...
 
     def prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None: ...
+
+    def kv_loaded(self, num_tokens: int, num_missed_blocks: int) -> None: ...
 
 
 class WorkerScheduler:
@@ -89,6 +121,7 @@ class WorkerScheduler:
         enable_prefix_caching: bool,
         waiting: WaitingQueue,
         listener: PlannerListener | None = None,
+        kv_store: KVStoreUse | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -99,6 +132,7 @@ class WorkerScheduler:
         self.max_model_len = max_model_len
         self.waiting = waiting
         self.listener = listener
+        self.kv_store = kv_store
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
         # Admission order: the last one is the newest and the first to be preempted.
         self.running: list[Request] = []
@@ -109,6 +143,17 @@ class WorkerScheduler:
         # Blocks indexed while planning each step in flight, by step id; un-indexed if that step fails.
         self._inflight_cached: dict[int, list[Block]] = {}
         self._next_step_id = 1
+        # Loads sent to the worker and not yet answered, by load id; and requests whose load answered,
+        # holding their blocks, admitted before anything from the queue.
+        self.loading: dict[int, _Load] = {}
+        self._loaded: collections.deque[Request] = collections.deque()
+        self._pending_loads: list[worker_pb2.KVLoad] = []
+        self._next_load_id = 1
+        self.kv_store_loaded_tokens = 0
+        self.kv_store_load_misses = 0
+        self.kv_store_saves = 0
+        self.kv_store_saves_dropped = 0
+        self.kv_store_resumed = 0
         self.num_steps = 0
         self.num_mixed_steps = 0
         self.max_batch_size = 0
@@ -117,6 +162,11 @@ class WorkerScheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+    @property
+    def num_admitted(self) -> int:
+        """Requests holding blocks here: running, loading a stored prefix, or loaded and about to run."""
+        return len(self.running) + len(self.loading) + len(self._loaded)
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         """Whether a request of num_tokens (prompt + max_tokens) could ever run on this worker."""
@@ -161,7 +211,21 @@ class WorkerScheduler:
         planned_new: list[_Planned] = []
         new_bytes = 0
         if not preempted and admit:
-            while budget > 0 and len(self.running) < self.max_num_seqs and len(self.waiting) > 0:
+            # Requests whose stored prefix arrived go first: they hold blocks already.
+            while budget > 0 and len(self.running) < self.max_num_seqs and self._loaded:
+                request = self._loaded[0]
+                size = new_request_bytes(request)
+                if planned_new and new_bytes + size > STEP_NEW_REQUEST_BYTES:
+                    break
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                new_ids = self.kv.allocate_slots(request, num_new)
+                if new_ids is None:
+                    break
+                new_bytes += size
+                self._loaded.popleft()
+                planned_new.append(self._start(request, request.num_computed_tokens, num_new))
+                budget -= num_new
+            while budget > 0 and self.num_admitted < self.max_num_seqs and len(self.waiting) > 0:
                 head = self.waiting.peek()
                 assert head is not None
                 request = head
@@ -171,33 +235,129 @@ class WorkerScheduler:
                 size = new_request_bytes(request)
                 if planned_new and new_bytes + size > STEP_NEW_REQUEST_BYTES:
                     break
-                new_bytes += size
                 hits, num_hit = self.kv.get_computed_blocks(request)
+                num_load = self._num_blocks_to_load(request, len(hits))
+                if num_load:
+                    # The stored blocks beyond the local prefix load into reserved blocks, off the step
+                    # path; the request runs once the worker says which arrived.
+                    load_bytes = _NEW_REQUEST_OVERHEAD + _LOAD_BLOCK_BYTES * num_load
+                    if new_bytes + load_bytes > STEP_NEW_REQUEST_BYTES:
+                        break
+                    num_new = num_load * self.block_size
+                    if self.kv.allocate_slots(request, num_new, hits, index=False) is None:
+                        break
+                    new_bytes += load_bytes
+                    self.waiting.popleft()
+                    self._count_lookup(request, num_hit)
+                    self._begin_load(request, len(hits), num_load)
+                    continue
                 num_new = min(request.num_tokens - num_hit, budget)
                 new_ids = self.kv.allocate_slots(request, num_new, hits)
                 if new_ids is None:
                     break
+                new_bytes += size
                 self.waiting.popleft()
-                self.kv.record_prefix_lookup(request.num_tokens, num_hit)
-                if self.listener is not None and self.kv.enable_prefix_caching:
-                    self.listener.prefix_lookup(request.num_tokens, num_hit)
-                if request.status == RequestStatus.WAITING:
-                    request.num_cached_tokens = num_hit
-                request.status = RequestStatus.RUNNING
-                request.num_computed_tokens = num_hit
-                self.running.append(request)
-                self._by_id[request.request_id] = request
-                planned_new.append(_Planned(request, num_hit, num_new))
+                self._count_lookup(request, num_hit)
+                planned_new.append(self._start(request, num_hit, num_new))
                 budget -= num_new
 
         newly_cached = self.kv.take_newly_cached()
-        if not planned_running and not planned_new and not self._pending_removals:
+        if not planned_running and not planned_new and not self._pending_removals and not self._pending_loads:
             return None
         step = self._build_step(planned_running, planned_new)
         self._inflight_cached[step.step_id] = newly_cached
+        if self.kv_store is not None:
+            # The blocks this step completes go to the store once computed (write-through: a preempted or
+            # requeued request, or another worker, finds them there later).
+            step.kv_saves.extend(
+                worker_pb2.KVBlockRef(block_id=b.block_id, block_hash=b.block_hash)
+                for b in newly_cached
+                if b.block_hash is not None
+            )
+            self.kv_store_saves += len(step.kv_saves)
+            step.kv_loads.extend(self._pending_loads)
+            self._pending_loads = []
         self._pending_removals = []
         self._commit(planned_running + planned_new)
         return step
+
+    def poll_step(self) -> worker_pb2.Step | None:
+        """An empty step that only collects finished loads, when loads are pending and nothing else runs."""
+        if not self.loading:
+            return None
+        step = worker_pb2.Step(step_id=self._next_step_id)
+        self._next_step_id += 1
+        return step
+
+    def _num_blocks_to_load(self, request: Request, num_hit_blocks: int) -> int:
+        """Stored blocks of the request beyond its local prefix hit worth loading (0 without a store)."""
+        if self.kv_store is None or not self.kv.enable_prefix_caching:
+            return 0
+        stored = request.stored_blocks.get(self.kv_store.kv_format, 0)
+        # As for a local hit, the last token is always computed: its logits give the next token.
+        usable = min(stored, (request.num_tokens - 1) // self.block_size, MAX_BLOCK_HASHES)
+        return max(0, usable - num_hit_blocks)
+
+    def _count_lookup(self, request: Request, num_hit: int) -> None:
+        self.kv.record_prefix_lookup(request.num_tokens, num_hit)
+        if self.listener is not None and self.kv.enable_prefix_caching:
+            self.listener.prefix_lookup(request.num_tokens, num_hit)
+        if request.status == RequestStatus.WAITING:
+            request.num_cached_tokens = num_hit
+
+    def _start(self, request: Request, num_computed: int, num_new: int) -> _Planned:
+        """An admitted request joins the running batch; it goes to the worker as a NewRequest."""
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_computed
+        self.running.append(request)
+        self._by_id[request.request_id] = request
+        return _Planned(request, num_computed, num_new)
+
+    def _begin_load(self, request: Request, first_block: int, num_blocks: int) -> None:
+        first_admission = request.status is RequestStatus.WAITING
+        request.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        request.num_computed_tokens = first_block * self.block_size
+        self._by_id[request.request_id] = request
+        load_id = self._next_load_id
+        self._next_load_id += 1
+        self.loading[load_id] = _Load(request, first_block, num_blocks, first_admission)
+        table = self.kv.block_ids(request)
+        hashes = request.get_block_hashes(self.block_size)
+        self._pending_loads.append(
+            worker_pb2.KVLoad(
+                load_id=load_id,
+                blocks=[
+                    worker_pb2.KVBlockRef(block_id=table[i], block_hash=hashes[i])
+                    for i in range(first_block, first_block + num_blocks)
+                ],
+            )
+        )
+
+    def _finish_load(self, done: worker_pb2.KVLoadDone) -> None:
+        """The worker answered a load: the blocks that arrived count as computed, the rest is recomputed."""
+        load = self.loading.pop(done.load_id, None)
+        if load is None:
+            return
+        request = load.request
+        num_loaded = min(done.num_loaded, load.num_blocks)
+        num_missed = load.num_blocks - num_loaded
+        self.kv_store_loaded_tokens += num_loaded * self.block_size
+        self.kv_store_load_misses += num_missed
+        if self.listener is not None:
+            self.listener.kv_loaded(num_loaded * self.block_size, num_missed)
+        if request.is_finished:
+            # Aborted while its blocks were being written: only now may they be reused.
+            self.kv.free(request)
+            return
+        end = load.first_block + num_loaded
+        self.kv.cache_loaded(request, end)
+        request.num_computed_tokens = end * self.block_size
+        if load.first_admission:
+            # The client's cached_tokens count what it did not wait for, local or stored.
+            request.num_cached_tokens = request.num_computed_tokens
+        if num_loaded and request.num_output_tokens:
+            self.kv_store_resumed += 1
+        self._loaded.append(request)
 
     @staticmethod
     def _commit(planned: list[_Planned]) -> None:
@@ -264,6 +424,10 @@ class WorkerScheduler:
         """Apply a worker's StepResult: advance progress, append tokens, finish requests."""
         if result.step_id != step.step_id:
             raise ValueError(f"StepResult for step {result.step_id} does not answer step {step.step_id}")
+        # Loads are answered whatever became of the step (they run beside it).
+        for done in result.kv_loads_done:
+            self._finish_load(done)
+        self.kv_store_saves_dropped += result.kv_saves_dropped
         if result.error:
             return self.fail_step(step, result.error)
         self._inflight_cached.pop(step.step_id, None)
@@ -306,19 +470,32 @@ class WorkerScheduler:
         return outputs
 
     def abort(self, request_id: str) -> Request | None:
-        """Abort a request running on this worker; None when it is not running here."""
+        """Abort a request admitted on this worker; None when it is not here."""
         request = self._by_id.get(request_id)
         if request is None:
             return None
+        if request.status is RequestStatus.WAITING_FOR_REMOTE_KV:
+            del self._by_id[request_id]
+            if request in self._loaded:
+                self._loaded.remove(request)
+                self.kv.free(request)
+            # Still loading: its blocks are freed when the worker answers the load (_finish_load).
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_kind = scheduler_pb2.STOP_KIND_ABORT
+            return request
         self._finish(request, RequestStatus.FINISHED_ABORTED)
         return request
 
     def release_all(self) -> list[Request]:
-        """The worker is lost: hand back its running requests (to recompute elsewhere) and reset."""
-        released = self.running
+        """The worker is lost: hand back every admitted request (to run elsewhere) and reset."""
+        released = self.running + list(self._loaded) + [load.request for load in self.loading.values()]
+        released = [r for r in released if not r.is_finished]
         for request in released:
             self._reset_progress(request)
         self.running = []
+        self.loading = {}
+        self._loaded.clear()
+        self._pending_loads = []
         self._by_id.clear()
         self._on_worker.clear()
         self._pending_removals = []
@@ -340,9 +517,24 @@ class WorkerScheduler:
             prefix_cache_queries=self.kv.prefix_cache_queries,
             prefix_cache_hits=self.kv.prefix_cache_hits,
             kv_cache_usage=pool.usage,
+            kv_store_loaded_tokens=self.kv_store_loaded_tokens,
+            kv_store_load_misses=self.kv_store_load_misses,
+            kv_store_saves=self.kv_store_saves,
+            kv_store_saves_dropped=self.kv_store_saves_dropped,
+            kv_store_resumed=self.kv_store_resumed,
         )
 
     def _preempt(self, request: Request) -> None:
+        if self.kv_store is not None:
+            kv_format = self.kv_store.kv_format
+            if self.kv_store.swap:
+                # Write-through: every full block it computed was saved by the step that computed it (steps
+                # still in flight save theirs before any later step reuses the blocks), so swapping out
+                # costs nothing more here; resuming loads them back.
+                saved = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+                request.stored_blocks[kv_format] = max(request.stored_blocks.get(kv_format, 0), saved)
+            else:
+                request.stored_blocks.pop(kv_format, None)
         self._remove_running(request)
         self._reset_progress(request)
         request.num_preemptions += 1

@@ -57,3 +57,14 @@ def test_least_loaded_picks_fewest_requests() -> None:
 def test_no_candidate_is_an_error() -> None:
     with pytest.raises(ValueError):
         choose_worker(RoutingPolicy.KV, [], 10, 0)
+
+
+def test_kv_counts_stored_prefix_as_cheap_but_local_cache_as_cheaper() -> None:
+    stored = Candidate("a", 0, 0, 0, 0, 100, 4, block_size=16, stored_tokens=1024)
+    cold = cand("b", queued=200)
+    # A prefix the kvstore holds is worth more than an idle worker's cold cache...
+    assert kv_cost(stored, 1100) < kv_cost(cold, 1100)
+    assert choose_worker(RoutingPolicy.KV, [stored, cold], prompt_tokens=1100, turn=1) == "a"
+    # ... but a local hit (no copy at all) wins over loading the same tokens.
+    local = cand("c", cached=1024)
+    assert kv_cost(local, 1100) < kv_cost(stored, 1100)

@@ -1,0 +1,192 @@
+"""The planner with a kvstore: loads of stored prefixes, write-through saves, aborts and losses mid-load, swap."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
+from services.scheduler.request import Request, RequestStatus
+from services.scheduler.waiting_queue import WaitingQueue
+from services.scheduler.worker_scheduler import KVStoreUse, WorkerScheduler
+from tests.support.fake_worker import BS, FakeWorker
+
+FORMAT = "meshserve-kv1:" + "0" * 64
+
+
+def make_sched(num_blocks: int = 64, swap: bool = False, max_num_batched_tokens: int = 64) -> WorkerScheduler:
+    return WorkerScheduler(
+        "w0",
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_num_seqs=8,
+        max_num_batched_tokens=max_num_batched_tokens,
+        max_model_len=256,
+        enable_prefix_caching=True,
+        waiting=WaitingQueue(),
+        kv_store=KVStoreUse(FORMAT, swap=swap),
+    )
+
+
+def make_req(rid: str, prompt: list[int], max_tokens: int = 6) -> Request:
+    return Request(rid, prompt, sampling_pb2.SamplingParams(ignore_eos=True), eos_token_ids=[2], max_tokens=max_tokens)
+
+
+def run(sched: WorkerScheduler, worker: FakeWorker, max_steps: int = 400) -> list[worker_pb2.Step]:
+    steps: list[worker_pb2.Step] = []
+    for _ in range(max_steps):
+        step = sched.schedule() or sched.poll_step()
+        if step is None:
+            return steps
+        sched.update(step, worker.execute(step))
+        steps.append(step)
+    raise AssertionError("scheduler did not go idle")
+
+
+def stored_everywhere(prompt: list[int], max_tokens: int = 6) -> tuple[list[int], set[bytes]]:
+    """Run a request on a first worker with a store: its output and what it saved."""
+    store: set[bytes] = set()
+    sched = make_sched()
+    request = make_req("first", prompt, max_tokens)
+    sched.waiting.append(request)
+    run(sched, FakeWorker(store=store))
+    return request.output_token_ids, store
+
+
+PROMPT = list(range(10, 10 + 8 * BS + 2))
+
+
+def test_saves_are_the_full_blocks_each_step_completes() -> None:
+    out, store = stored_everywhere(PROMPT)
+    request = make_req("again", PROMPT)
+    # Prompt plus outputs: every full block of the sequence was saved once.
+    full = (len(PROMPT) + len(out) - 1) // BS
+    assert len(store) == full
+    assert set(request.get_block_hashes(BS)[:8]) <= store
+
+
+@pytest.mark.parametrize("load_delay", [0, 3])
+def test_stored_prefix_is_loaded_not_recomputed_and_output_is_unchanged(load_delay: int) -> None:
+    expected, store = stored_everywhere(PROMPT)
+    sched = make_sched()
+    worker = FakeWorker(store=store, load_delay=load_delay)
+    request = make_req("b", PROMPT)
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    steps = run(sched, worker)
+    first = steps[0]
+    assert not first.new_requests and len(first.kv_loads) == 1 and len(first.kv_loads[0].blocks) == 8
+    new = next(n for s in steps for n in s.new_requests)
+    assert new.num_computed_tokens == 8 * BS and new.num_scheduled_tokens == 2
+    assert request.output_token_ids == expected
+    assert request.num_cached_tokens == 8 * BS
+    stats = sched.stats()
+    assert stats.kv_store_loaded_tokens == 8 * BS and stats.kv_store_load_misses == 0
+    # Loaded blocks are not saved again; only the blocks the outputs filled are.
+    assert not any(b.block_hash in request.get_block_hashes(BS)[:8] for s in steps[1:] for b in s.kv_saves)
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+def test_a_partial_load_recomputes_the_rest() -> None:
+    expected, store = stored_everywhere(PROMPT)
+    request = make_req("b", PROMPT)
+    hashes = request.get_block_hashes(BS)
+    store -= set(hashes[5:])  # the store lost blocks 5..: only 5 of the 8 load
+    sched = make_sched()
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    steps = run(sched, FakeWorker(store=store))
+    new = next(n for s in steps for n in s.new_requests)
+    assert new.num_computed_tokens == 5 * BS
+    assert request.output_token_ids == expected
+    assert sched.stats().kv_store_load_misses == 3
+
+
+def test_local_prefix_hit_loads_only_the_blocks_beyond_it() -> None:
+    expected, store = stored_everywhere(PROMPT)
+    sched = make_sched()
+    worker = FakeWorker(store=store)
+    warm = make_req("warm", PROMPT[: 3 * BS + 1], max_tokens=1)
+    sched.waiting.append(warm)
+    run(sched, worker)
+    request = make_req("b", PROMPT)
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    steps = run(sched, worker)
+    assert [len(load.blocks) for s in steps for load in s.kv_loads] == [5]
+    assert request.output_token_ids == expected
+
+
+def test_abort_while_loading_frees_blocks_only_after_the_load_answers() -> None:
+    _, store = stored_everywhere(PROMPT)
+    sched = make_sched()
+    worker = FakeWorker(store=store, load_delay=2)
+    request = make_req("b", PROMPT)
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    step = sched.schedule()
+    assert step is not None and step.kv_loads
+    sched.update(step, worker.execute(step))
+    assert sched.abort("b") is request and request.status is RequestStatus.FINISHED_ABORTED
+    # The worker is still writing those blocks: none of them may be handed out yet.
+    assert sched.kv.pool.num_free_blocks < sched.kv.num_blocks
+    run(sched, worker)
+    assert not sched.loading and sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+    assert sched.schedule() is None
+
+
+def test_worker_lost_mid_load_hands_the_request_back() -> None:
+    stored_everywhere(PROMPT)
+    sched = make_sched()
+    request = make_req("b", PROMPT)
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    step = sched.schedule()
+    assert step is not None and step.kv_loads
+    released = sched.release_all()
+    assert released == [request] and request.status is RequestStatus.PREEMPTED
+    assert request.num_computed_tokens == 0 and not sched.loading
+
+
+def test_loads_only_poll_with_empty_steps() -> None:
+    _, store = stored_everywhere(PROMPT)
+    sched = make_sched()
+    request = make_req("b", PROMPT)
+    request.stored_blocks[FORMAT] = 8
+    sched.waiting.append(request)
+    steps = run(sched, FakeWorker(store=store, load_delay=2))
+    polls = [s for s in steps if not s.new_requests and not s.scheduled and not s.kv_loads]
+    assert len(polls) >= 2
+
+
+def test_swap_preemption_resumes_from_saved_blocks_with_the_same_output() -> None:
+    prompts = [list(range(100 * i, 100 * i + 3 * BS + 1)) for i in range(1, 5)]
+    reference = make_sched(num_blocks=64)
+    ref_worker = FakeWorker(store=set())
+    refs = [make_req(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
+    for r in refs:
+        reference.waiting.append(r)
+    run(reference, ref_worker)
+
+    sched = make_sched(num_blocks=12, swap=True)
+    worker = FakeWorker(store=set())
+    requests = [make_req(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
+    for r in requests:
+        sched.waiting.append(r)
+    steps = run(sched, worker)
+    stats = sched.stats()
+    assert stats.num_preemptions > 0
+    assert stats.kv_store_resumed > 0 and stats.kv_store_loaded_tokens > 0
+    assert any(s.kv_loads for s in steps)
+    assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in refs]
+    assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+
+
+def test_recompute_preemption_does_not_load() -> None:
+    prompts = [list(range(100 * i, 100 * i + 3 * BS + 1)) for i in range(1, 5)]
+    sched = make_sched(num_blocks=12, swap=False)
+    requests = [make_req(f"r{i}", p, max_tokens=12) for i, p in enumerate(prompts)]
+    for r in requests:
+        sched.waiting.append(r)
+    steps = run(sched, FakeWorker(store=set()))
+    assert sched.stats().num_preemptions > 0
+    assert not any(s.kv_loads for s in steps)
