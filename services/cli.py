@@ -16,6 +16,7 @@ def _build_parser() -> argparse.ArgumentParser:
     from services.client import commands, up
     from services.client.bench import command
     from services.gateway.settings import GatewaySettings
+    from services.kvstore.settings import KVStoreSettings
     from services.scheduler.settings import SchedulerSettings
     from services.worker.settings import WorkerSettings
 
@@ -25,6 +26,7 @@ def _build_parser() -> argparse.ArgumentParser:
         ("gateway", GatewaySettings, "public Generation API"),
         ("scheduler", SchedulerSettings, "continuous batching and KV block accounting"),
         ("worker", WorkerSettings, "model forward and sampling on one device group"),
+        ("kvstore", KVStoreSettings, "KV-cache blocks shared by every worker, in memory or Redis"),
     ):
         add_settings_arguments(verbs.add_parser(name, help=text, description=text), cls)
     up.add_arguments(verbs.add_parser("up", help="run the whole suite here (embedded defaults)"))
@@ -67,6 +69,11 @@ def main(argv: list[str] | None = None) -> None:
         from services.worker.settings import WorkerSettings
 
         runners["worker"] = lambda: serve_worker(settings_from_args(WorkerSettings, ns))
+    elif ns.verb == "kvstore":
+        from services.kvstore.server import serve as serve_kvstore
+        from services.kvstore.settings import KVStoreSettings
+
+        runners["kvstore"] = lambda: serve_kvstore(settings_from_args(KVStoreSettings, ns))
     else:
         from services.client import commands, up
         from services.client.bench import command

@@ -486,10 +486,13 @@ class SchedulerStats(_message.Message):
     kv_store_load_misses: _builtins.int
     """Blocks asked for in loads and not received (recomputed instead)."""
     kv_store_lookups: _builtins.int
-    """Lookups the scheduler made (one per admission attempt with uncached
-    blocks) and lookups that failed (store unreachable: treated as a miss).
+    """Lookups the scheduler made (one per request and KV format, before
+    routing it; again when it is requeued).
     """
     kv_store_lookup_errors: _builtins.int
+    """Of those, lookups that failed (store unreachable or slower than
+    --kv-store-lookup-timeout): treated as a miss, never as an error.
+    """
     kv_store_resumed: _builtins.int
     """Requests that resumed from stored blocks after a preemption or after
     their worker was lost.
