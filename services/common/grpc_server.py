@@ -34,6 +34,10 @@ def server_options(max_receive_message_bytes: int = MAX_MESSAGE_BYTES) -> tuple[
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Our channels ping every 20 s even when idle (CHANNEL_OPTIONS); grpc's default server policy
+        # accepts pings without calls only every 5 minutes and answers more with GOAWAY "too_many_pings",
+        # which an idle channel (the scheduler's to the kvstore, between lookups) then hits within a minute.
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
         # Two services must never share one port by accident.
         ("grpc.so_reuseport", 0),
     )

@@ -11,11 +11,9 @@ from urllib.parse import urlparse
 
 from pydantic import Field, field_validator
 
+from services.common.byte_sizes import parse_size
 from services.common.kv_store_limits import MAX_CHUNK_BYTES
 from services.common.settings import ServiceSettings
-
-# parse_size is the worker's size parser; its module imports only pydantic, so it is shared as is.
-from services.worker.settings import parse_size
 
 DEFAULT_PORT = 50054
 MEMORY_BACKEND = "memory"

@@ -84,6 +84,14 @@ class TPGroup:
         dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=self._cpu_group)
         return int(buffer.item())
 
+    def min_ints(self, values: list[int]) -> list[int]:
+        """Element-wise smallest of every rank's values (same length everywhere; ranks agree on KV loads done)."""
+        if self.size == 1 or not values:
+            return values
+        buffer = torch.tensor(values, dtype=torch.int64)
+        dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=self._cpu_group)
+        return [int(v) for v in buffer.tolist()]
+
 
 SINGLE = TPGroup()
 

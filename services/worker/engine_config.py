@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.worker.precision import Precision, parse_precision, precision_from_dtype
+from services.worker.settings import DEFAULT_KV_SAVE_QUEUE_BLOCKS
 
 # --device values; `auto` is resolved by services.worker.platforms.resolve_device.
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -35,6 +36,9 @@ class EngineConfig:
     seed: int = 0
     # CPU op table: auto (native kernels where they build), native, or reference (pure torch).
     cpu_kernels: str = "auto"
+    # host:port of the kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
+    kv_store_address: str | None = None
+    kv_save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -66,6 +70,10 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
+        if self.kv_store_address is not None and not self.kv_store_address.strip():
+            raise ValueError("--kv-store must be host:port of the kvstore (leave it unset for none)")
+        if self.kv_save_queue_blocks < 1:
+            raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {self.kv_save_queue_blocks}")
 
     def resolve_precision(self, platform_default: str) -> Precision:
         """The precision to run with once the platform (and so what `auto` means) is known."""

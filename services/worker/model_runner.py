@@ -14,12 +14,14 @@ from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.distributed import SINGLE, DistInit, init_tp_group
 from services.worker.engine_config import EngineConfig
 from services.worker.input_batch import CachedRequest, InputBatch
+from services.worker.kv_blocks import SliceGeometry, dtype_name
 from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
+from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.layers.linear import pack_linears
 from services.worker.memory_profile import profile_peak_memory
-from services.worker.models.llama import LlamaArch, LlamaForCausalLM, check_tp_size
+from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.platforms import Platform, get_platform
 from services.worker.sampler import Sampler, SampleRequest
 from services.worker.startup_error import StartupError
@@ -35,6 +37,11 @@ from services.worker.weights import (
 log = structlog.get_logger()
 # Sent in place of tokens when rank 0's sampler raised.
 SAMPLING_FAILED = -1
+# A step with no requests but kvstore loads outstanding is the scheduler polling for them: wait this long
+# for this rank's oldest load so that polling does not spin (a load done sooner answers sooner).
+EMPTY_STEP_LOAD_WAIT_S = 0.05
+# Stands for "not done on this rank" in the vector the ranks take the minimum of (num_loaded is >= 0).
+_LOAD_NOT_DONE = -1
 
 
 def _copy_params(params: sampling_pb2.SamplingParams) -> sampling_pb2.SamplingParams:
@@ -87,6 +94,9 @@ class ModelRunner:
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)
+        # Without a kvstore, loads a scheduler sends anyway are answered as done with nothing loaded, in the
+        # next result (one that a refused step does not get).
+        self._loads_without_store: list[int] = []
         started = time.perf_counter()
         try:
             free_at_start = self.platform.memory_info().free_bytes
@@ -102,6 +112,7 @@ class ModelRunner:
                 device=self.device,
                 layout=self.platform.ops.kv_layout,
             )
+            self.kv_transfer: KVTransfer | None = self._start_kv_transfer(arch)
         except Exception as err:
             if self.platform.is_out_of_memory(err):
                 raise StartupError(
@@ -123,7 +134,38 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
+            kv_store=config.kv_store_address,
             load_seconds=round(time.perf_counter() - started, 3),
+        )
+
+    def _start_kv_transfer(self, arch: LlamaArch) -> KVTransfer | None:
+        """This rank's loader and saver of its KV heads, when --kv-store is set."""
+        address = self.config.kv_store_address
+        if address is None:
+            return None
+        try:
+            dtype_name(self.precision.kv_dtype)
+        except ValueError as err:
+            raise StartupError(f"--kv-store: {err}; pick another --precision or leave --kv-store unset") from err
+        split = HeadSplit.for_rank(arch, self.tp)
+        geometry = SliceGeometry(
+            num_kv_heads=arch.num_kv_heads,
+            num_layers=arch.num_layers,
+            block_size=self.block_size,
+            head_dim=arch.head_dim,
+            dtype=self.precision.kv_dtype,
+            head_start=split.kv_head_start,
+            head_count=split.num_kv_heads,
+        )
+        return KVTransfer(
+            address,
+            self.kv_format,
+            geometry,
+            self.kv_cache.layers,
+            self.platform.ops.kv_layout,
+            self.platform,
+            save_queue_blocks=self.config.kv_save_queue_blocks,
+            rank=self.tp.rank,
         )
 
     def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
@@ -184,6 +226,13 @@ class ModelRunner:
     def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
         """Apply the step to the persistent batch, compute its tokens and sample finished rows."""
         started = time.perf_counter()
+        kv = self.kv_transfer
+        # Started first, before the step is checked: the scheduler holds these loads' requests back until
+        # they are reported, which a later result does even when this step is refused.
+        if kv is not None:
+            kv.submit_loads(step.kv_loads)
+        else:
+            self._loads_without_store.extend(load.load_id for load in step.kv_loads)
         for request_id in step.removed_request_ids:
             self.batch.remove(request_id)
         work = self._apply(step)
@@ -191,15 +240,55 @@ class ModelRunner:
         if work:
             self._run(work, result)
         self.platform.synchronize()
+        if kv is not None and step.kv_saves:
+            # Copied now: the next step may write other tokens into these blocks.
+            kv.save(step.kv_saves)
         result.execute_seconds = time.perf_counter() - started
+        if kv is not None:
+            if not work and kv.num_unreported:
+                kv.wait_oldest(EMPTY_STEP_LOAD_WAIT_S)
+            self._report_kv(kv, result)
+        else:
+            result.kv_loads_done.extend(worker_pb2.KVLoadDone(load_id=i) for i in self._loads_without_store)
+            self._loads_without_store.clear()
+            result.kv_saves_dropped = len(step.kv_saves)
         return result
 
+    def _report_kv(self, kv: KVTransfer, result: worker_pb2.StepResult) -> None:
+        """Loads done on every rank since the last result (oldest first), and saves dropped since then.
+
+        Every rank submitted the same loads in the same order, so position i of each rank's FIFO is the same
+        load; the ranks agree, in one all-reduce, on how many leading loads are done everywhere and on each
+        one's num_loaded (the fewest blocks any rank wrote). Dropped saves are the most any rank dropped.
+        """
+        finished = kv.finished()
+        dropped = kv.take_dropped()
+        if self.tp.size == 1:
+            reported = finished
+        else:
+            owed = kv.num_unreported
+            local = [n for _, n in finished] + [_LOAD_NOT_DONE] * (owed - len(finished))
+            agreed = self.tp.min_ints([*local, -dropped])
+            dropped = -agreed[-1]
+            count = next((i for i, n in enumerate(agreed[:owed]) if n == _LOAD_NOT_DONE), owed)
+            reported = [(load_id, agreed[i]) for i, (load_id, _) in enumerate(finished[:count])]
+        kv.pop_finished(len(reported))
+        result.kv_loads_done.extend(worker_pb2.KVLoadDone(load_id=i, num_loaded=n) for i, n in reported)
+        result.kv_saves_dropped = dropped
+
     def reset(self) -> None:
-        """Forget every request (a new scheduler stream starts from nothing)."""
+        """Forget every request and kvstore load (a new scheduler stream starts from nothing)."""
         self.batch = InputBatch()
+        self._loads_without_store.clear()
+        if self.kv_transfer is not None:
+            # Returns once no load writes into the cache any more: the new stream reuses those blocks.
+            self.kv_transfer.reset()
 
     def close(self) -> None:
-        """Release the model, the KV cache and the batch."""
+        """Release the kvstore threads, the model, the KV cache and the batch."""
+        if self.kv_transfer is not None:
+            self.kv_transfer.close()
+            self.kv_transfer = None
         self.batch = InputBatch()
         self.kv_cache.layers.clear()
         del self.model

@@ -52,6 +52,8 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         max_num_seqs=settings.max_num_seqs,
         seed=settings.seed,
         cpu_kernels=settings.cpu_kernels,
+        kv_store_address=settings.kv_store,
+        kv_save_queue_blocks=settings.kv_save_queue_blocks,
     )
 
 
@@ -168,8 +170,15 @@ async def _serve_driver(
         health_address=f"{settings.host}:{service.port}",
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_store_enabled=runner.kv_transfer is not None,
     )
-    log.info("model loaded", model=runner.model_name, num_blocks=runner.num_blocks, worker_id=worker_id)
+    log.info(
+        "model loaded",
+        model=runner.model_name,
+        num_blocks=runner.num_blocks,
+        worker_id=worker_id,
+        kv_store=settings.kv_store,
+    )
     client = AttachClient(
         settings.scheduler_address,
         hello,

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import re
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from services.common.byte_sizes import parse_size
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 
 DEFAULT_PORT = 50053
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
-
-
-def parse_size(text: str) -> int:
-    """Bytes from '4GiB', '512MiB', '2G' or a plain number of bytes."""
-    match = _SIZE.match(text)
-    if match is None:
-        raise ValueError(f"{text!r} is not a size; use e.g. 2GiB, 512MiB or a number of bytes")
-    unit = (match.group(2) or "").upper()[:1]
-    return int(float(match.group(1)) * _UNITS[unit])
+# Blocks a rank's kvstore save queue holds before it drops new saves (each a CPU copy of its KV heads).
+DEFAULT_KV_SAVE_QUEUE_BLOCKS = 256
 
 
 class WorkerSettings(ServiceSettings):
@@ -70,6 +61,16 @@ class WorkerSettings(ServiceSettings):
     )
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, description="largest batch the worker must run", ge=1)
     seed: int = Field(0, description="seed of unseeded sampling")
+    kv_store: str | None = Field(
+        None,
+        description="host:port of the kvstore: load prefix KV blocks computed elsewhere and save the blocks "
+        "computed here (unset: off)",
+    )
+    kv_save_queue_blocks: int = Field(
+        DEFAULT_KV_SAVE_QUEUE_BLOCKS,
+        description="KV blocks each rank queues for the kvstore before it drops new saves (CPU copies)",
+        ge=1,
+    )
     worker_id: str | None = Field(None, description="id shown to the scheduler (unset: host:pid)")
     reconnect_interval: float = Field(1.0, description="seconds between attach attempts", gt=0)
     hung_step_timeout: float = Field(

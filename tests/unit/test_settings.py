@@ -7,9 +7,10 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
+from services.common.byte_sizes import parse_size
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.scheduler.settings import SchedulerSettings
-from services.worker.settings import WorkerSettings, parse_size
+from services.worker.settings import WorkerSettings
 
 
 def _parse(cls: type, argv: list[str]):  # type: ignore[no-untyped-def]

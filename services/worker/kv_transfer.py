@@ -1,0 +1,535 @@
+"""One rank's traffic with the kvstore: loads of KV blocks into the cache and saves out of it, off the step path.
+
+Two daemon threads per rank, each with the rank's own sync gRPC channel (grpc reconnects by itself when
+the store comes back):
+
+- loads: KVLoads run one at a time in the order the steps sent them. Each is one Get of this rank's heads
+  of the blocks; every block is checked (index, hash, shape, length, xxh3-64) before it is written into
+  the cache, and a load ends at the first block that is missing, fails a check, or does not arrive in
+  time. `num_loaded` is the leading blocks verified and written. Nothing here raises into a step.
+- saves: the model thread copies a step's saved blocks (this rank's heads) to CPU bytes right after the
+  step, while no later step can have reused them, and queues them; the save thread streams them to the
+  store in Puts of several blocks. A full queue or an unreachable store drops blocks (counted), never
+  stalls a step.
+
+The scheduler reserves a load's blocks until the load is reported done, so writing them from the load
+thread while the model thread runs other steps touches no memory a step reads or writes. On a device the
+writes go on a side stream that is synchronised before the load counts as done.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+import structlog
+import torch
+import xxhash
+
+from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.kv_store_limits import BLOCK_HASH_BYTES, MAX_BLOCK_HASHES, MAX_CHUNK_BYTES
+from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
+from services.worker.kv_blocks import SliceGeometry, gather_blocks, scatter_blocks, slice_bytes, slices_from_bytes
+from services.worker.platforms.base import Platform
+
+log = structlog.get_logger()
+
+# A Get of one load's blocks must finish within this; a store that stalls ends the load, and the scheduler
+# recomputes what did not arrive.
+GET_TIMEOUT_S = 10.0
+# One Put stream of up to PUT_BATCH_BLOCKS blocks.
+PUT_TIMEOUT_S = 30.0
+# Blocks per Put stream: amortises the stream's setup without holding many blocks in one failing call.
+PUT_BATCH_BLOCKS = 64
+# Verified blocks written into the cache together: one index_copy_ per layer for all of them.
+SCATTER_BATCH_BYTES = 32 * 1024 * 1024
+# How long closing waits for each thread (a Get in flight is cancelled first).
+JOIN_TIMEOUT_S = 5.0
+
+
+class CorruptSlice(ValueError):
+    """A block from the store failed a check: the load ends before it."""
+
+
+@dataclass(frozen=True)
+class _Save:
+    """One block queued for the store: its hash and its slice (row `index` of a gathered CPU tensor)."""
+
+    block_hash: bytes
+    slices: torch.Tensor
+    index: int
+
+
+@dataclass
+class TransferStats:
+    """Counters since start, for logs and tests."""
+
+    loads_done: int = 0
+    blocks_loaded: int = 0
+    # Loads that ended early on an error (store unreachable, deadline, corrupt block); a block the store
+    # simply does not have is not one.
+    loads_failed: int = 0
+    corrupt_slices: int = 0
+    blocks_saved: int = 0
+    saves_dropped: int = 0
+    put_failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+
+class KVTransfer:
+    """Loads and saves of one rank's KV heads through the kvstore at `address`."""
+
+    def __init__(
+        self,
+        address: str,
+        kv_format: str,
+        geometry: SliceGeometry,
+        layers: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: str,
+        platform: Platform,
+        *,
+        save_queue_blocks: int,
+        rank: int = 0,
+        get_timeout_s: float = GET_TIMEOUT_S,
+        put_timeout_s: float = PUT_TIMEOUT_S,
+    ) -> None:
+        if save_queue_blocks < 1:
+            raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {save_queue_blocks}")
+        self.address = address
+        self.kv_format = kv_format
+        self.geometry = geometry
+        self.layers = layers
+        self.layout = layout
+        self.num_blocks = layers[0][0].shape[0] if layers else 0
+        self.save_queue_blocks = save_queue_blocks
+        self.rank = rank
+        self.get_timeout_s = get_timeout_s
+        self.put_timeout_s = put_timeout_s
+        self.stats = TransferStats()
+        self._platform = platform
+        self._shape = kvstore_pb2.BlockShape(
+            num_kv_heads=geometry.num_kv_heads,
+            num_layers=geometry.num_layers,
+            block_size=geometry.block_size,
+            head_dim=geometry.head_dim,
+            dtype=geometry.dtype_name,
+        )
+        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._stub = kvstore_pb2_grpc.KVBlockStoreStub(self._channel)
+        # One lock for both queues; the conditions say which side changed.
+        self._lock = threading.Lock()
+        self._loads_changed = threading.Condition(self._lock)
+        self._saves_changed = threading.Condition(self._lock)
+        self._closed = False
+        # Loads: queued -> in progress (at most one) -> finished -> reported (popped by the model thread).
+        self._queued: collections.deque[worker_pb2.KVLoad] = collections.deque()
+        self._in_progress = False
+        self._current_call: grpc.RpcContext | None = None
+        self._finished: list[tuple[int, int]] = []
+        # Submitted and not yet popped; the same on every rank, which the TP agreement relies on.
+        self._unreported = 0
+        # Bumped by reset(): a load that was running then is not reported to the next scheduler stream.
+        self._generation = 0
+        # Saves: queued blocks, counting those in a Put now, so queued memory stays bounded.
+        self._saves: collections.deque[_Save] = collections.deque()
+        self._saves_held = 0
+        self._dropped_unreported = 0
+        self._store_down = False
+        self._load_thread = threading.Thread(target=self._load_loop, name=f"kv-load-{rank}", daemon=True)
+        self._save_thread = threading.Thread(target=self._save_loop, name=f"kv-save-{rank}", daemon=True)
+        self._load_thread.start()
+        self._save_thread.start()
+
+    # ---- model thread: loads ----
+
+    def submit_loads(self, loads: Sequence[worker_pb2.KVLoad]) -> None:
+        """Queue loads behind those already queued; returns at once."""
+        if not loads:
+            return
+        copies = []
+        for load in loads:
+            # Copied: the caller may reuse the Step message.
+            copy = worker_pb2.KVLoad()
+            copy.CopyFrom(load)
+            copies.append(copy)
+        with self._lock:
+            self._queued.extend(copies)
+            self._unreported += len(copies)
+            self._loads_changed.notify_all()
+
+    @property
+    def num_unreported(self) -> int:
+        """Loads submitted and not yet popped as reported (finished or not)."""
+        with self._lock:
+            return self._unreported
+
+    def finished(self) -> list[tuple[int, int]]:
+        """(load_id, num_loaded) of loads done on this rank and not yet popped, oldest first."""
+        with self._lock:
+            return list(self._finished)
+
+    def wait_oldest(self, timeout: float) -> bool:
+        """Wait up to timeout for the oldest unreported load to be done here; True when it is (or none is owed)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._unreported and not self._finished:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0 or self._closed:
+                    return False
+                self._loads_changed.wait(remaining)
+            return True
+
+    def pop_finished(self, count: int) -> None:
+        """Forget the oldest `count` finished loads: they have been reported."""
+        with self._lock:
+            if count > len(self._finished):
+                raise ValueError(f"popping {count} reported loads, only {len(self._finished)} are done")
+            del self._finished[:count]
+            self._unreported -= count
+
+    # ---- model thread: saves ----
+
+    def save(self, refs: Sequence[worker_pb2.KVBlockRef]) -> None:
+        """Copy the blocks' slices now (a later step may overwrite them) and queue them for the store."""
+        valid = [r for r in refs if self._valid_ref(r)]
+        dropped = len(refs) - len(valid)
+        with self._lock:
+            room = max(0, self.save_queue_blocks - self._saves_held)
+        # Only this thread adds to the queue, so the room can only have grown since.
+        taken = valid[:room]
+        dropped += len(valid) - len(taken)
+        saves: list[_Save] = []
+        if taken:
+            try:
+                with torch.inference_mode():
+                    slices = gather_blocks(self.layers, [r.block_id for r in taken], self.layout)
+                saves = [_Save(bytes(r.block_hash), slices, i) for i, r in enumerate(taken)]
+            except Exception as err:  # a save is an optimisation: it must not fail the step it follows
+                self._note_error(f"gathering saves: {type(err).__name__}: {err}")
+                log.exception("kv_save_gather_failed", tp_rank=self.rank, blocks=len(taken))
+                dropped += len(taken)
+        with self._lock:
+            if saves:
+                self._saves.extend(saves)
+                self._saves_held += len(saves)
+                self._saves_changed.notify_all()
+            self._count_dropped(dropped)
+        if dropped:
+            log.debug("kv_saves_dropped", tp_rank=self.rank, blocks=dropped, reason="queue full or bad block")
+
+    def take_dropped(self) -> int:
+        """Saves dropped since the last call."""
+        with self._lock:
+            dropped, self._dropped_unreported = self._dropped_unreported, 0
+            return dropped
+
+    # ---- model thread: lifetime ----
+
+    def reset(self) -> None:
+        """A new scheduler stream: drop queued loads, end the one in progress and forget every load id.
+
+        Returns once no load thread write is in flight: the new scheduler reuses those blocks."""
+        with self._lock:
+            self._generation += 1
+            self._queued.clear()
+            self._finished.clear()
+            self._unreported = 0
+            if self._current_call is not None:
+                self._current_call.cancel()
+            while self._in_progress:
+                self._loads_changed.wait()
+
+    def close(self) -> None:
+        """Stop both threads (queued saves are dropped) and close the channel."""
+        with self._lock:
+            self._closed = True
+            if self._current_call is not None:
+                self._current_call.cancel()
+            self._loads_changed.notify_all()
+            self._saves_changed.notify_all()
+        self._load_thread.join(JOIN_TIMEOUT_S)
+        self._save_thread.join(JOIN_TIMEOUT_S)
+        self._channel.close()
+
+    def _valid_ref(self, ref: worker_pb2.KVBlockRef) -> bool:
+        return ref.block_id < self.num_blocks and len(ref.block_hash) == BLOCK_HASH_BYTES
+
+    def _count_dropped(self, count: int) -> None:
+        """Under the lock."""
+        self._dropped_unreported += count
+        self.stats.saves_dropped += count
+
+    # ---- load thread ----
+
+    @property
+    def device(self) -> torch.device:
+        return self.layers[0][0].device if self.layers else torch.device("cpu")
+
+    def _side_stream(self) -> torch.Stream | None:
+        """A stream of this rank's device for the cache writes, so they overlap the model's work (None on the CPU)."""
+        if self.device.type == "cpu":
+            return None
+        try:
+            # The current device is per thread on CUDA and Ascend.
+            self._platform.set_device()
+            return torch.Stream(self.device)
+        except Exception:
+            # Still correct without one: the writes then go on the default stream, synchronised each time.
+            log.exception("kv_load_stream_unavailable", tp_rank=self.rank, device=str(self.device))
+            return None
+
+    def _load_loop(self) -> None:
+        stream = self._side_stream()
+        while True:
+            with self._lock:
+                while not self._queued and not self._closed:
+                    self._loads_changed.wait()
+                if self._closed:
+                    return
+                load = self._queued.popleft()
+                self._in_progress = True
+                generation = self._generation
+            num_loaded = 0
+            try:
+                num_loaded = self._run_load(load, generation, stream)
+            except Exception as err:  # never let the thread die: later loads must still be answered
+                self._note_error(f"load {load.load_id}: {type(err).__name__}: {err}")
+                log.exception("kv_load_failed", tp_rank=self.rank, load_id=load.load_id)
+            finally:
+                with self._lock:
+                    self._in_progress = False
+                    self._current_call = None
+                    if generation == self._generation:
+                        self._finished.append((load.load_id, num_loaded))
+                        self.stats.loads_done += 1
+                        self.stats.blocks_loaded += num_loaded
+                    self._loads_changed.notify_all()
+
+    def _run_load(self, load: worker_pb2.KVLoad, generation: int, stream: torch.Stream | None) -> int:
+        """Fetch and write the load's leading blocks; the count written."""
+        blocks = list(load.blocks)
+        # Only a leading run is usable: stop at the first block id or hash that cannot be right.
+        usable = next((i for i, b in enumerate(blocks) if not self._valid_ref(b)), len(blocks))
+        if usable < len(blocks):
+            log.warning("kv_load_bad_block", tp_rank=self.rank, load_id=load.load_id, position=usable)
+        loaded = 0
+        for start in range(0, usable, MAX_BLOCK_HASHES):
+            group = blocks[start : min(usable, start + MAX_BLOCK_HASHES)]
+            got = self._fetch(load.load_id, group, generation, stream)
+            loaded += got
+            if got < len(group):
+                break
+        return loaded
+
+    def _fetch(
+        self, load_id: int, group: list[worker_pb2.KVBlockRef], generation: int, stream: torch.Stream | None
+    ) -> int:
+        """One Get of the group's blocks; writes the verified leading ones and returns how many."""
+        request = kvstore_pb2.GetRequest(
+            kv_format=self.kv_format,
+            block_hashes=[b.block_hash for b in group],
+            head_start=self.geometry.head_start,
+            head_count=self.geometry.head_count,
+        )
+        call = self._stub.Get(request, timeout=self.get_timeout_s)
+        with self._lock:
+            if generation != self._generation or self._closed:
+                call.cancel()
+                return 0
+            self._current_call = call
+        written = 0
+        batch: list[bytearray] = []
+        per_batch = max(1, SCATTER_BATCH_BYTES // self.geometry.slice_nbytes)
+        failed = False
+        try:
+            for payload in self._verified_slices(call, group):
+                batch.append(payload)
+                if len(batch) >= per_batch:
+                    self._write(group[written : written + len(batch)], batch, stream)
+                    written += len(batch)
+                    batch = []
+        except grpc.RpcError as err:
+            # CANCELLED: reset() or close() ended the call; nothing went wrong.
+            failed = err.code() != grpc.StatusCode.CANCELLED  # type: ignore[attr-defined]
+            if failed:
+                self._note_error(f"load {load_id}: Get: {err.code().name}: {err.details()}")  # type: ignore[attr-defined]
+                log.warning(
+                    "kv_load_interrupted",
+                    tp_rank=self.rank,
+                    load_id=load_id,
+                    code=err.code().name,  # type: ignore[attr-defined]
+                    details=err.details(),  # type: ignore[attr-defined]
+                    verified=written + len(batch),
+                    requested=len(group),
+                )
+        except CorruptSlice as err:
+            failed = True
+            with self._lock:
+                self.stats.corrupt_slices += 1
+            self._note_error(f"load {load_id}: {err}")
+            log.warning("kv_load_corrupt_block", tp_rank=self.rank, load_id=load_id, error=str(err))
+        finally:
+            call.cancel()
+        with self._lock:
+            current = generation == self._generation and not self._closed
+        # Blocks verified before a failure are whole and right: keep them (unless a reset gave the blocks
+        # to a new scheduler stream meanwhile).
+        if batch and current:
+            self._write(group[written : written + len(batch)], batch, stream)
+            written += len(batch)
+        if failed:
+            with self._lock:
+                self.stats.loads_failed += 1
+        return written
+
+    def _verified_slices(
+        self, chunks: Iterator[kvstore_pb2.GetChunk], group: list[worker_pb2.KVBlockRef]
+    ) -> Iterator[bytearray]:
+        """The payloads of the stream's blocks, each checked against what was asked; raises CorruptSlice."""
+        expected_len = self.geometry.slice_nbytes
+        payload: bytearray | None = None
+        filled = 0
+        checksum = 0
+        index = 0
+        for chunk in chunks:
+            if chunk.HasField("header"):
+                if payload is not None:
+                    raise CorruptSlice(f"block {index}: a new header after {filled} of {expected_len} bytes")
+                header = chunk.header
+                self._check_header(header, index, group)
+                payload = bytearray(expected_len)
+                filled = 0
+                checksum = header.checksum
+            elif payload is None:
+                raise CorruptSlice(f"block {index}: data before its header")
+            data = chunk.data
+            if filled + len(data) > expected_len:
+                raise CorruptSlice(f"block {index}: more than its {expected_len} bytes")
+            payload[filled : filled + len(data)] = data
+            filled += len(data)
+            if filled == expected_len:
+                actual = xxhash.xxh3_64_intdigest(payload)
+                if actual != checksum:
+                    raise CorruptSlice(f"block {index}: xxh3-64 {actual:#x} != header's {checksum:#x}")
+                yield payload
+                payload = None
+                index += 1
+        if payload is not None:
+            raise CorruptSlice(f"block {index}: the stream ended after {filled} of {expected_len} bytes")
+
+    def _check_header(self, header: kvstore_pb2.GetBlockHeader, index: int, group: list[worker_pb2.KVBlockRef]) -> None:
+        if header.index != index:
+            raise CorruptSlice(f"header index {header.index}, expected {index}")
+        if index >= len(group):
+            raise CorruptSlice(f"block {index} was not asked for")
+        if header.block_hash != group[index].block_hash:
+            raise CorruptSlice(f"block {index}: hash {header.block_hash.hex()[:16]}... is not the one asked for")
+        if header.shape != self._shape:
+            raise CorruptSlice(
+                f"block {index}: shape {_shape_text(header.shape)} is not this model's {_shape_text(self._shape)}"
+            )
+        if header.head_start != self.geometry.head_start or header.head_count != self.geometry.head_count:
+            raise CorruptSlice(
+                f"block {index}: heads [{header.head_start}, +{header.head_count}), expected "
+                f"[{self.geometry.head_start}, +{self.geometry.head_count})"
+            )
+        if header.payload_length != self.geometry.slice_nbytes:
+            raise CorruptSlice(
+                f"block {index}: payload_length {header.payload_length}, expected {self.geometry.slice_nbytes}"
+            )
+
+    def _write(self, refs: list[worker_pb2.KVBlockRef], payloads: list[bytearray], stream: torch.Stream | None) -> None:
+        """Scatter verified slices into their blocks; done (on the device too) when this returns."""
+        slices = slices_from_bytes(payloads, self.geometry)
+        ids = [r.block_id for r in refs]
+        with torch.inference_mode():
+            if stream is None:
+                scatter_blocks(self.layers, ids, slices, self.layout)
+                if self.device.type != "cpu":
+                    self._platform.synchronize()
+                return
+            with stream:
+                scatter_blocks(self.layers, ids, slices, self.layout)
+            # Done before the load counts as done: the step that reads these blocks runs on another stream.
+            stream.synchronize()
+
+    # ---- save thread ----
+
+    def _save_loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._saves and not self._closed:
+                    self._saves_changed.wait()
+                if self._closed:
+                    return
+                batch = [self._saves.popleft() for _ in range(min(PUT_BATCH_BLOCKS, len(self._saves)))]
+            try:
+                self._put(batch)
+            except Exception as err:  # never let the thread die
+                self._note_error(f"Put: {type(err).__name__}: {err}")
+                log.exception("kv_save_failed", tp_rank=self.rank)
+                with self._lock:
+                    self._count_dropped(len(batch))
+            finally:
+                with self._lock:
+                    self._saves_held -= len(batch)
+
+    def _put(self, batch: list[_Save]) -> None:
+        """One Put stream of the batch's slices; what the store could not take counts as dropped."""
+        try:
+            response = self._stub.Put(self._chunks(batch), timeout=self.put_timeout_s)
+        except grpc.RpcError as err:
+            with self._lock:
+                # Blocks completed before the failure may be stored; which ones is unknown, so all count.
+                self._count_dropped(len(batch))
+                self.stats.put_failures += 1
+                was_down, self._store_down = self._store_down, True
+            if not was_down:
+                self._note_error(f"Put: {err.code().name}: {err.details()}")  # type: ignore[attr-defined]
+                log.warning(
+                    "kv_store_put_failed",
+                    tp_rank=self.rank,
+                    address=self.address,
+                    code=err.code().name,  # type: ignore[attr-defined]
+                    details=err.details(),  # type: ignore[attr-defined]
+                    note="saves are dropped until it answers again",
+                )
+            return
+        with self._lock:
+            self._count_dropped(response.num_blocks_dropped)
+            self.stats.blocks_saved += len(batch) - response.num_blocks_dropped
+            was_down, self._store_down = self._store_down, False
+        if was_down:
+            log.info("kv_store_put_recovered", tp_rank=self.rank, address=self.address)
+
+    def _chunks(self, batch: list[_Save]) -> Iterator[kvstore_pb2.PutChunk]:
+        for save in batch:
+            data = slice_bytes(save.slices, save.index)
+            header = kvstore_pb2.BlockHeader(
+                kv_format=self.kv_format,
+                block_hash=save.block_hash,
+                shape=self._shape,
+                head_start=self.geometry.head_start,
+                head_count=self.geometry.head_count,
+            )
+            for offset in range(0, len(data), MAX_CHUNK_BYTES):
+                piece = bytes(data[offset : offset + MAX_CHUNK_BYTES])
+                yield (
+                    kvstore_pb2.PutChunk(header=header, data=piece) if offset == 0 else kvstore_pb2.PutChunk(data=piece)
+                )
+
+    def _note_error(self, text: str) -> None:
+        with self._lock:
+            # The last few, for tests and debugging; logs have them all.
+            self.stats.errors = [*self.stats.errors[-9:], text]
+
+
+def _shape_text(shape: kvstore_pb2.BlockShape) -> str:
+    return (
+        f"[{shape.num_kv_heads} heads, {shape.num_layers} layers, {shape.block_size} tokens, "
+        f"{shape.head_dim} dims, {shape.dtype or '?'}]"
+    )
