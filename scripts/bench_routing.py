@@ -165,9 +165,12 @@ class SuiteSpec:
     worker_threads: int
     kv_cache_memory: str
     max_model_len: int
+    # A kvstore (memory backend) shared by the workers.
+    kv_store: bool = False
 
     def describe(self) -> str:
-        return f"{self.num_workers} worker(s), --routing {self.routing}, {self.worker_threads} thread(s) each"
+        store = ", kvstore on" if self.kv_store else ""
+        return f"{self.num_workers} worker(s), --routing {self.routing}, {self.worker_threads} thread(s) each{store}"
 
 
 class Suite:
@@ -192,6 +195,7 @@ class Suite:
                 gateway_port=free_port(),
                 scheduler_args=["--routing", spec.routing],
                 worker_args=["--kv-cache-memory", spec.kv_cache_memory, "--max-model-len", str(spec.max_model_len)],
+                kv_store_port=free_port() if spec.kv_store else None,
             )
             asyncio.run(wait_all_healthy(self.launcher, procs.all, STARTUP_TIMEOUT_S))
         except BaseException:
@@ -199,6 +203,7 @@ class Suite:
             raise
         self.address = procs.gateway.address
         self.scheduler_address = procs.scheduler.address
+        self.kv_store_address = procs.kv_store.address if procs.kv_store is not None else None
         self.pids = [p.process.pid for p in procs.all]
 
     def stop(self) -> None:

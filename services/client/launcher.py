@@ -136,16 +136,18 @@ class Launcher:
 
 @dataclass
 class SuiteProcesses:
-    """The processes of one suite: a scheduler, its workers and a gateway."""
+    """The processes of one suite: a kvstore (optional), a scheduler, its workers and a gateway."""
 
     scheduler: ServiceProcess
     workers: list[ServiceProcess]
     gateway: ServiceProcess
+    kv_store: ServiceProcess | None = None
 
     @property
     def all(self) -> list[ServiceProcess]:
         """In start order."""
-        return [self.scheduler, *self.workers, self.gateway]
+        first = [self.kv_store] if self.kv_store is not None else []
+        return [*first, self.scheduler, *self.workers, self.gateway]
 
 
 def start_suite_processes(
@@ -160,12 +162,23 @@ def start_suite_processes(
     scheduler_args: Sequence[str] = (),
     worker_args: Sequence[str] = (),
     gateway_args: Sequence[str] = (),
+    kv_store_port: int | None = None,
+    kv_store_args: Sequence[str] = (),
 ) -> SuiteProcesses:
-    """Start scheduler, one worker per port (ids worker-0, worker-1, ...) and gateway; no waiting."""
+    """Start a kvstore (with kv_store_port), scheduler, one worker per port (ids worker-0, worker-1, ...) and
+    gateway; no waiting. With a kvstore, the scheduler and every worker get --kv-store."""
     sched_addr = f"{host}:{scheduler_port}"
     base = ["--host", host, *common_args]
+    kv_store = None
+    store_flags: list[str] = []
+    if kv_store_port is not None:
+        store_addr = f"{host}:{kv_store_port}"
+        kv_store = launcher.start(
+            "kvstore", ["kvstore", *base, "--port", str(kv_store_port), *kv_store_args], store_addr
+        )
+        store_flags = ["--kv-store", store_addr]
     scheduler = launcher.start(
-        "scheduler", ["scheduler", *base, "--port", str(scheduler_port), *scheduler_args], sched_addr
+        "scheduler", ["scheduler", *base, "--port", str(scheduler_port), *store_flags, *scheduler_args], sched_addr
     )
     workers = [
         launcher.start(
@@ -181,6 +194,7 @@ def start_suite_processes(
                 model,
                 "--worker-id",
                 f"worker-{i}",
+                *store_flags,
                 *worker_args,
             ],
             f"{host}:{port}",
@@ -202,7 +216,7 @@ def start_suite_processes(
         ],
         f"{host}:{gateway_port}",
     )
-    return SuiteProcesses(scheduler, workers, gateway)
+    return SuiteProcesses(scheduler, workers, gateway, kv_store)
 
 
 async def wait_all_healthy(launcher: Launcher, services: Sequence[ServiceProcess], timeout: float) -> None:

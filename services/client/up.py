@@ -15,6 +15,7 @@ from typing import TextIO
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
+from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
@@ -48,6 +49,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(scheduler default: on)"
     )
+    parser.add_argument(
+        "--kv-store",
+        default="on",
+        choices=["on", "off"],
+        help="start a kvstore that every worker shares (on: prefixes computed once load everywhere)",
+    )
+    parser.add_argument("--kv-store-port", type=int, default=KV_STORE_PORT)
+    parser.add_argument(
+        "--kv-store-backend", default=None, help="memory (kvstore default) or redis://host:port/db (shared by replicas)"
+    )
+    parser.add_argument("--kv-store-capacity", default=None, help="memory backend's byte budget, e.g. 4GiB")
+    parser.add_argument(
+        "--preemption-mode", default=None, choices=["recompute", "swap"], help="(scheduler default: recompute)"
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
 
@@ -77,7 +92,13 @@ def scheduler_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
         *_prefix_caching(ns.enable_prefix_caching),
         *_optional("--routing", ns.routing),
+        *_optional("--preemption-mode", ns.preemption_mode),
     ]
+
+
+def kv_store_args(ns: argparse.Namespace) -> list[str]:
+    """The kvstore's flags from `up`'s."""
+    return [*_optional("--backend", ns.kv_store_backend), *_optional("--capacity", ns.kv_store_capacity)]
 
 
 def worker_args(ns: argparse.Namespace) -> list[str]:
@@ -146,9 +167,12 @@ async def run(ns: argparse.Namespace) -> int:
             gateway_port=ns.port,
             scheduler_args=scheduler_args(ns),
             worker_args=worker_args(ns),
+            kv_store_port=ns.kv_store_port if ns.kv_store == "on" else None,
+            kv_store_args=kv_store_args(ns),
         )
         gateway = suite.gateway
-        say(f"meshserve: starting scheduler, {ns.workers} worker(s) and gateway; logs in {log_dir}")
+        store = "a kvstore, " if suite.kv_store is not None else ""
+        say(f"meshserve: starting {store}scheduler, {ns.workers} worker(s) and gateway; logs in {log_dir}")
         await wait_all_healthy(launcher, suite.all, ns.startup_timeout)
         say(
             f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
@@ -168,21 +192,24 @@ async def run(ns: argparse.Namespace) -> int:
 
 async def _wait_for_stop_or_exit(launcher: Launcher, stop: asyncio.Event) -> None:
     """Until Ctrl-C. A worker that exits is reported and the suite serves on with the others (the scheduler
-    moves its requests); the scheduler, the gateway or the last worker exiting ends the suite."""
+    moves its requests); so does a kvstore that exits (loads become misses and requests recompute). The
+    scheduler, the gateway or the last worker exiting ends the suite."""
     reported: set[str] = set()
     while not stop.is_set():
         for service in launcher.services:
             if service.process.poll() is None or service.name in reported:
                 continue
             workers_left = [s for s in launcher.services if s.name.startswith("worker-") and s.process.poll() is None]
-            if not service.name.startswith("worker-") or not workers_left:
+            survivable = (service.name.startswith("worker-") and workers_left) or service.name == "kvstore"
+            if not survivable:
                 raise RuntimeError(
                     f"{service.name} exited with code {service.process.returncode}; log:\n{service.log_tail()}"
                 )
             reported.add(service.name)
+            what = "without a kvstore" if service.name == "kvstore" else f"with {len(workers_left)} worker(s)"
             say(
-                f"meshserve: {service.name} exited with code {service.process.returncode}; serving on with "
-                f"{len(workers_left)} worker(s) (its log: {service.log_path})",
+                f"meshserve: {service.name} exited with code {service.process.returncode}; serving on {what} "
+                f"(its log: {service.log_path})",
                 sys.stderr,
             )
         with contextlib.suppress(TimeoutError):

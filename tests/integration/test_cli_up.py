@@ -46,6 +46,8 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
             str(free_port()),
             "--worker-port",
             str(free_port()),
+            "--kv-store-port",
+            str(free_port()),
             "--log-dir",
             str(tmp_path),
             "--kv-cache-memory",
@@ -58,6 +60,7 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
     try:
         banner = wait_for_line(up, BANNER, timeout=300)
         assert f"127.0.0.1:{port}" in banner
+        assert "starting a kvstore, scheduler" in banner
         address = ["--address", f"127.0.0.1:{port}"]
         gen = subprocess.run(
             [*CLI, "generate", "What is the capital of France?", "--temperature", "0", *address],

@@ -60,7 +60,8 @@ def _kill(processes: set[Process]) -> None:
 def _start_up(
     model: Path, log_dir: Path, *extra: str, stderr: int | IO[str] = subprocess.STDOUT
 ) -> subprocess.Popen[str]:
-    ports = ["--port", str(free_port()), "--scheduler-port", str(free_port()), "--worker-port", str(free_port())]
+    ports = ["--port", str(free_port()), "--scheduler-port", str(free_port()), "--worker-port", str(free_port()),
+             "--kv-store-port", str(free_port())]  # fmt: skip
     return subprocess.Popen(
         [*CLI, "up", "--model", str(model), *ports, "--log-dir", str(log_dir), "--kv-cache-memory", "64MiB", *extra],
         stdout=subprocess.PIPE,
@@ -70,12 +71,12 @@ def _start_up(
 
 
 def test_a_killed_launcher_takes_its_services_along(tiny_model_dir: Path, tmp_path: Path) -> None:
-    up = _start_up(tiny_model_dir, tmp_path, "--workers", "2")
+    up = _start_up(tiny_model_dir, tmp_path, "--workers", "2", "--kv-store", "off")
     services: set[Process] = set()
     try:
         wait_for_line(up, BANNER, STARTUP_S)
         services = _children(up.pid)
-        assert len(services) == 4, "a scheduler, two workers and a gateway"
+        assert len(services) == 4, "a scheduler, two workers and a gateway (no kvstore)"
         up.kill()
         up.wait()
         assert not _survivors(services, EXIT_S), "services outlived their SIGKILLed launcher"
@@ -93,7 +94,7 @@ def test_ctrl_c_stops_every_service_when_stdout_is_gone(tiny_model_dir: Path, tm
     try:
         wait_for_line(up, BANNER, STARTUP_S)
         services = _children(up.pid)
-        assert len(services) == 3
+        assert len(services) == 4, "a kvstore, a scheduler, a worker and a gateway"
         assert up.stdout is not None
         up.stdout.close()  # `| tee` dies first on Ctrl-C: the "stopping..." line meets a closed pipe
         up.send_signal(signal.SIGINT)

@@ -27,6 +27,7 @@ class Suite:
     workers: list[ServiceProcess]
     gateway: ServiceProcess
     log_dir: Path
+    kv_store: ServiceProcess | None = None
 
     @property
     def address(self) -> str:
@@ -67,8 +68,10 @@ class Suite:
     def add_worker(
         self, model_dir: Path, worker_args: Sequence[str] = (), env: dict[str, str] | None = None
     ) -> ServiceProcess:
-        """Start one more worker attached to this suite's scheduler (not waited for)."""
+        """Start one more worker attached to this suite's scheduler (and its kvstore; not waited for)."""
         index = len(self.workers)
+        if self.kv_store is not None:
+            worker_args = ["--kv-store", self.kv_store.address, *worker_args]
         port = free_port()
         launcher = self.launcher if env is None else Launcher(self.log_dir, env={**self.launcher.env, **env})
         worker = launcher.start(
@@ -124,8 +127,9 @@ def start_suite(
     gateway_args: Sequence[str] = (),
     num_workers: int = 1,
     scheduler_port: int | None = None,
+    kv_store_args: Sequence[str] | None = None,
 ) -> Suite:
-    """Start and wait until every service reports SERVING."""
+    """Start and wait until every service reports SERVING; kv_store_args not None: with a kvstore."""
     launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"})
     try:
         procs = start_suite_processes(
@@ -138,9 +142,11 @@ def start_suite(
             scheduler_args=scheduler_args,
             worker_args=worker_args,
             gateway_args=gateway_args,
+            kv_store_port=None if kv_store_args is None else free_port(),
+            kv_store_args=kv_store_args or (),
         )
         asyncio.run(wait_all_healthy(launcher, procs.all, STARTUP_TIMEOUT_S))
     except BaseException:
         launcher.stop_all(timeout=10)
         raise
-    return Suite(launcher, procs.scheduler, procs.workers, procs.gateway, log_dir)
+    return Suite(launcher, procs.scheduler, procs.workers, procs.gateway, log_dir, procs.kv_store)

@@ -78,6 +78,7 @@ def test_ratios_and_tables() -> None:
         "worker_threads": 1,
         "kv_cache_memory": "1GiB",
         "max_model_len": 4096,
+        "kv_store": False,
     }
     assert br.ratio(1.0, 0.0) == float("inf")
     slower = _run(br, "kv", 2, [0.5], 30.0)
