@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
@@ -146,7 +147,7 @@ def prefix_part(plan: Plan, model_dir: Path, log_dir: Path) -> dict[str, Any]:
     return out
 
 
-def chat_part(plan: Plan, model_dir: Path, log_dir: Path) -> dict[str, Any]:
+def chat_part(plan: Plan, model_dir: Path, log_dir: Path, routings: Sequence[str]) -> dict[str, Any]:
     chat = replace(FULL, **DOCUMENT_CHAT)  # type: ignore[arg-type]
     chat = replace(chat, num_conversations=plan.chat_conversations, num_turns=plan.chat_turns)
     conversations = multi_turn_dataset(
@@ -154,19 +155,22 @@ def chat_part(plan: Plan, model_dir: Path, log_dir: Path) -> dict[str, Any]:
         first_turn_input_len=chat.first_turn_input,
     )  # fmt: skip
     warmup = random_dataset(4, (16, 16), (2, 2), VOCAB, seed=SEED_WARMUP)
-    runs: dict[str, Run] = {}
-    for kv_store in (True, False):
-        name = "chat-store-on" if kv_store else "chat-store-off"
-        runs[name] = measure(
-            name, _spec(plan, kv_store, "kv"), model_dir, log_dir, conversations, chat.chat_concurrency, warmup,
-            chat.chat_request_rate,
-        )  # fmt: skip
-    on, off = runs["chat-store-on"].summary, runs["chat-store-off"].summary
-    return {
-        "runs": [r.to_dict() for r in runs.values()],
-        "ttft_ratio_off_over_on": ratio(off.mean_ttft_ms, on.mean_ttft_ms),
-        "output_throughput_on_over_off": ratio(on.output_throughput, off.output_throughput),
-    }
+    out: dict[str, Any] = {"runs": []}
+    for routing in routings:
+        runs: dict[bool, Run] = {}
+        for kv_store in (True, False):
+            name = f"chat-{routing}-store-{'on' if kv_store else 'off'}"
+            runs[kv_store] = measure(
+                name, _spec(plan, kv_store, routing), model_dir, log_dir, conversations, chat.chat_concurrency,
+                warmup, chat.chat_request_rate,
+            )  # fmt: skip
+            out["runs"].append(runs[kv_store].to_dict())
+        on, off = runs[True].summary, runs[False].summary
+        out[routing] = {
+            "ttft_ratio_off_over_on": ratio(off.mean_ttft_ms, on.mean_ttft_ms),
+            "output_throughput_on_over_off": ratio(on.output_throughput, off.output_throughput),
+        }
+    return out
 
 
 def throughput_part(quick: bool) -> dict[str, Any]:
@@ -181,6 +185,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--parts", default="prefix,chat,throughput")
+    parser.add_argument(
+        "--chat-routing", default="kv,round-robin", help="routings the chat part compares the store on and off under"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "kv-store.json")
     ns = parser.parse_args()
     from services.worker.model_fetch import ensure_embedded_model
@@ -200,7 +207,7 @@ def main() -> None:
         if "prefix" in parts:
             result["prefix"] = prefix_part(plan, model_dir, Path(tmp))
         if "chat" in parts:
-            result["chat"] = chat_part(plan, model_dir, Path(tmp))
+            result["chat"] = chat_part(plan, model_dir, Path(tmp), ns.chat_routing.split(","))
     if "throughput" in parts:
         result["throughput"] = throughput_part(ns.quick)
     result["wall_seconds"] = round(time.perf_counter() - started, 1)

@@ -20,6 +20,7 @@ writes go on a side stream that is synchronised before the load counts as done.
 from __future__ import annotations
 
 import collections
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -49,6 +50,21 @@ PUT_BATCH_BLOCKS = 64
 SCATTER_BATCH_BYTES = 32 * 1024 * 1024
 # How long closing waits for each thread (a Get in flight is cancelled first).
 JOIN_TIMEOUT_S = 5.0
+
+
+# Nice value of the save thread: saves are background work that must take CPU time from the model thread
+# only when it leaves some (on a CPU host the two share the same cores).
+SAVE_THREAD_NICENESS = 10
+
+
+def _lower_priority() -> None:
+    """Lower the calling thread's CPU priority (Linux: a thread is a schedulable task); no-op elsewhere."""
+    if not hasattr(os, "setpriority"):
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_THREAD_NICENESS)
+    except OSError as err:
+        log.debug("kv_save_priority_unchanged", error=str(err))
 
 
 class CorruptSlice(ValueError):
@@ -460,6 +476,7 @@ class KVTransfer:
     # ---- save thread ----
 
     def _save_loop(self) -> None:
+        _lower_priority()
         while True:
             with self._lock:
                 while not self._saves and not self._closed:
