@@ -42,8 +42,6 @@ from bench_routing import (
     Run,
     Suite,
     SuiteSpec,
-    cpu_model,
-    git_commit,
     log,
     measure,
     ratio,
@@ -53,6 +51,7 @@ from bench_routing import (
 
 from services.client.bench.cache_stats import fetch_stats, stats_delta
 from services.client.bench.datasets import BenchRequest, multi_turn_dataset, random_dataset
+from services.client.bench.provenance import cpu_model, git_commit
 from services.client.bench.runner import run_benchmark
 from services.common.channels import insecure_channel
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
@@ -198,7 +197,7 @@ def main() -> None:
     started = time.perf_counter()
     result: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_commit(ROOT),
         "cpu_model": cpu_model(),
         "model": str(model_dir),
         "plan": asdict(plan),

@@ -41,6 +41,7 @@ import xxhash
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from services.client.bench.provenance import git_commit  # noqa: E402
 from services.client.launcher import Launcher, ServiceProcess  # noqa: E402
 from services.common.grpc_server import CHANNEL_OPTIONS, server_options  # noqa: E402
 from services.common.kv_store_limits import MAX_CHUNK_BYTES  # noqa: E402
@@ -48,7 +49,8 @@ from services.common.ports import free_port  # noqa: E402
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc  # noqa: E402
 from services.kvstore.block_format import BlockShape  # noqa: E402
 from services.kvstore.settings import MAX_RECEIVE_MESSAGE_BYTES  # noqa: E402
-from tests.support.kvstore import RedisServer, launch_kvstore, shape_pb  # noqa: E402
+from services.kvstore.validation import shape_to_proto  # noqa: E402
+from tests.support.kvstore import RedisServer, launch_kvstore  # noqa: E402
 
 # SmolLM2-135M: 3 KV heads, 30 layers, head_dim 64; fp32, 16-token blocks.
 SHAPE = BlockShape(num_kv_heads=3, num_layers=30, block_size=16, head_dim=64, dtype="float32")
@@ -120,7 +122,7 @@ class NullStore(kvstore_pb2_grpc.KVBlockStoreServicer):
             header = kvstore_pb2.GetBlockHeader(
                 index=index,
                 block_hash=block_hash,
-                shape=shape_pb(SHAPE),
+                shape=shape_to_proto(SHAPE),
                 head_count=SHAPE.num_kv_heads,
                 payload_length=len(self.block),
                 checksum=self.checksum,
@@ -214,7 +216,7 @@ async def _put_stream(
     address: str, fmt: str, hashes: Sequence[bytes], payloads: Sequence[bytes]
 ) -> kvstore_pb2.PutResponse:
     async def chunks() -> AsyncIterator[kvstore_pb2.PutChunk]:
-        shape = shape_pb(SHAPE)
+        shape = shape_to_proto(SHAPE)
         for block_hash, data in zip(hashes, payloads, strict=True):
             header = kvstore_pb2.BlockHeader(
                 kv_format=fmt, block_hash=block_hash, shape=shape, head_start=0, head_count=SHAPE.num_kv_heads
@@ -283,16 +285,6 @@ async def _rounds(address: str, backend: str, plan: Plan, payloads: Sequence[byt
         )
 
 
-def git_commit() -> str | None:
-    """HEAD of the checkout, with '+dirty' when files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--streams", type=int, default=4, help="concurrent Put (then Get) streams")
@@ -355,7 +347,7 @@ def main() -> None:
 
     report = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_commit(ROOT),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "platform": platform.platform()},
         "block_bytes": SHAPE.payload_bytes,
         "shape": asdict(SHAPE),

@@ -27,7 +27,6 @@ import asyncio
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,6 +50,7 @@ from services.client.bench.datasets import (
     turn_indices,
 )
 from services.client.bench.metrics import BenchSummary, mean_ttft_by_turn, summarize
+from services.client.bench.provenance import cpu_model, git_commit
 from services.client.bench.runner import run_benchmark, run_conversations
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.ports import free_port
@@ -495,25 +495,6 @@ def _span(bounds: Range) -> str:
     return str(bounds[0]) if bounds[0] == bounds[1] else f"{bounds[0]}-{bounds[1]}"
 
 
-def cpu_model() -> str | None:
-    """The CPU's model name from /proc/cpuinfo (None elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), None)
-
-
-def git_commit() -> str | None:
-    """HEAD of the checkout, with '+dirty' when files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 # ---------------------------------------------------------------------------------------------- main
 
 
@@ -681,7 +662,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     log(f"{'quick' if ns.quick else 'full'} plan, parts {' '.join(ns.parts)}, logs in {log_dir}")
     results: dict[str, Any] = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_commit(ROOT),
         "model": str(model_dir),
         "plan": "quick" if ns.quick else "full",
         "chat_trace": ns.chat_trace,

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 from services.client.bench.datasets import BenchRequest, random_dataset, shared_prefix_dataset
 from services.client.bench.metrics import BenchSummary, summarize
+from services.client.bench.provenance import git_commit
 from services.client.bench.records import RequestRecord
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.ports import free_port
@@ -428,16 +428,6 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def git_commit() -> str | None:
-    """HEAD of the checkout, with '+dirty' when files differ from it."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True, check=True)
-    except (OSError, subprocess.CalledProcessError):
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
-
-
 def describe(requests: Sequence[BenchRequest], concurrency: int) -> str:
     """A one-line workload description for the table."""
     prompts = [len(r.prompt_token_ids) for r in requests]
@@ -676,7 +666,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ns.out_dir.mkdir(parents=True, exist_ok=True)
     results = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(),
+        "commit": git_commit(ROOT),
         "model": str(model_dir),
         "dtype": ns.dtype,
         "plan": plan_name,

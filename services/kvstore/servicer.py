@@ -21,7 +21,7 @@ from services.common.errors import StatusError
 from services.common.kv_store_limits import MAX_CHUNK_BYTES
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.backend import Backend, BackendUnavailable, PutOutcome, block_key
-from services.kvstore.block_format import Block, BlockShape, Rejection, checksum, decode, encode
+from services.kvstore.block_format import Block, Rejection, checksum, decode, encode
 from services.kvstore.formats import FormatRegistry
 from services.kvstore.health import MonitoredBackend
 from services.kvstore.metrics import KVStoreMetrics, Rpc
@@ -41,19 +41,10 @@ from services.kvstore.validation import (
     check_get_heads,
     check_kv_format,
     invalid,
+    shape_to_proto,
 )
 
 log = structlog.get_logger()
-
-
-def _shape_pb(shape: BlockShape) -> kvstore_pb2.BlockShape:
-    return kvstore_pb2.BlockShape(
-        num_kv_heads=shape.num_kv_heads,
-        num_layers=shape.num_layers,
-        block_size=shape.block_size,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-    )
 
 
 @dataclass
@@ -277,7 +268,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             header=kvstore_pb2.GetBlockHeader(
                 index=index,
                 block_hash=block.block_hash,
-                shape=_shape_pb(block.shape),
+                shape=shape_to_proto(block.shape),
                 head_start=head_start,
                 head_count=head_count,
                 payload_length=len(view),

@@ -103,6 +103,17 @@ class SliceHeader:
         return f"block {self.block_hash.hex()[:16]}… heads {self.head_start}..{self.head_start + self.head_count - 1}"
 
 
+def shape_to_proto(shape: BlockShape) -> kvstore_pb2.BlockShape:
+    """The wire form of a checked shape (check_shape's inverse)."""
+    return kvstore_pb2.BlockShape(
+        num_kv_heads=shape.num_kv_heads,
+        num_layers=shape.num_layers,
+        block_size=shape.block_size,
+        head_dim=shape.head_dim,
+        dtype=shape.dtype,
+    )
+
+
 def check_shape(shape: kvstore_pb2.BlockShape, field: str) -> BlockShape:
     """A block shape with every dimension >= 1, a known dtype and a payload within the cap."""
     for name in ("num_kv_heads", "num_layers", "block_size", "head_dim"):

@@ -21,6 +21,7 @@ from services.common.proto.meshserve.v1 import kvstore_pb2
 from services.kvstore.backend import block_key
 from services.kvstore.block_format import PAYLOAD_LENGTH_OFFSET, BlockShape, encode
 from services.kvstore.health import BACKEND_HEALTH_NAME, SERVICE_NAME
+from services.kvstore.validation import shape_to_proto
 from tests.support.kvstore import (
     KVStoreClient,
     RedisServer,
@@ -30,7 +31,6 @@ from tests.support.kvstore import (
     kvstore_launcher,
     launch_kvstore,
     payload,
-    shape_pb,
     start_kvstore,
 )
 
@@ -109,7 +109,7 @@ async def test_round_trip_whole_and_by_head_range(store: ServiceProcess) -> None
         for i, block in enumerate(whole):
             assert (block.header.index, block.header.block_hash) == (i, hashes[i])
             assert (block.header.head_start, block.header.head_count) == (0, 4)
-            assert block.header.shape == shape_pb(BIG)
+            assert block.header.shape == shape_to_proto(BIG)
         middle = await kv.get(fmt, hashes, head_start=1, head_count=2)
         assert [b.data for b in middle] == [_heads(s.data, BIG, 1, 2) for s in slices]
         rest = await kv.get(fmt, hashes, head_start=3)  # head_count 0: every head from head_start on
@@ -229,7 +229,7 @@ def _header(fmt: str, **fields: object) -> kvstore_pb2.BlockHeader:
     values: dict[str, object] = {
         "kv_format": fmt,
         "block_hash": b"\x07" * 32,
-        "shape": shape_pb(SMALL),
+        "shape": shape_to_proto(SMALL),
         "head_start": 0,
         "head_count": 2,
     }
@@ -270,7 +270,7 @@ def _bad_cases(
          "header.shape"),
         ("bad format in header", _put_case([chunk(header=_header("meshserve-kv1:abc"))]), invalid, "header.kv_format"),
         ("bad hash in header", _put_case([chunk(header=_header(fmt, block_hash=b""))]), invalid, "header.block_hash"),
-        ("shape conflict", _put_case([chunk(header=_header(fmt, shape=shape_pb(BIG)))]), invalid, "header.shape"),
+        ("shape conflict", _put_case([chunk(header=_header(fmt, shape=shape_to_proto(BIG)))]), invalid, "header.shape"),
     ]  # fmt: skip
 
 

@@ -25,6 +25,7 @@ from services.common.kv_store_limits import MAX_CHUNK_BYTES
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
 from services.kvstore.block_format import BlockShape
+from services.kvstore.validation import shape_to_proto
 
 REDIS_SERVER = "/usr/bin/redis-server"
 STARTUP_TIMEOUT_S = 30.0
@@ -58,17 +59,6 @@ def payload(shape: BlockShape, seed: int) -> bytes:
     return random.Random(seed).randbytes(shape.payload_bytes)
 
 
-def shape_pb(shape: BlockShape) -> kvstore_pb2.BlockShape:
-    """The proto form of a shape."""
-    return kvstore_pb2.BlockShape(
-        num_kv_heads=shape.num_kv_heads,
-        num_layers=shape.num_layers,
-        block_size=shape.block_size,
-        head_dim=shape.head_dim,
-        dtype=shape.dtype,
-    )
-
-
 @dataclass(frozen=True)
 class Slice:
     """Heads [head_start, head_start + head_count) of one block, to put."""
@@ -88,7 +78,7 @@ class Slice:
         header = kvstore_pb2.BlockHeader(
             kv_format=self.kv_format,
             block_hash=self.block_hash,
-            shape=shape_pb(self.shape),
+            shape=shape_to_proto(self.shape),
             head_start=self.head_start,
             head_count=count,
         )
