@@ -19,7 +19,7 @@ from services.common.sampling_checks import InvalidField
 from services.scheduler.cluster import Cluster
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
-from services.scheduler.submissions import Failure, Item, StreamOut, is_final
+from services.scheduler.submissions import STREAM_BUFFER_RESPONSES, Failure, Item, StreamOut, is_final
 from services.scheduler.worker_stream import WorkerStream
 
 # Events a Submit caller may leave unread before its request is ended: one per step, so this is a
@@ -77,6 +77,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         try:
             while (response := await out.responses.get()) is not None:
                 yield response
+            if out.overflowed:
+                await context.abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"the caller left {STREAM_BUFFER_RESPONSES} messages unread; its requests were aborted",
+                )
         finally:
             self.streams.discard(out)
             reader.cancel()

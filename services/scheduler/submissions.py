@@ -66,13 +66,24 @@ class Submission:
         self.sink(self.request.request_id, item)
 
 
-class StreamOut:
-    """A Stream's outgoing side: events of one loop iteration (one step's dispatch) go out as one message."""
+# Messages a Stream caller may leave unread before the stream is ended: about one per step, so only a
+# caller that stopped reading gets there (a gateway reads continuously), and its memory stays bounded.
+STREAM_BUFFER_RESPONSES = 4096
 
-    def __init__(self, release: Callable[[str], None]) -> None:
+
+class StreamOut:
+    """A Stream's outgoing side: events of one loop iteration (one step's dispatch) go out as one message.
+
+    A caller that leaves max_unread messages unread is cut off: the stream ends (the servicer answers
+    RESOURCE_EXHAUSTED) and its requests are released, instead of its queue growing without bound."""
+
+    def __init__(self, release: Callable[[str], None], max_unread: int = STREAM_BUFFER_RESPONSES) -> None:
         self.owned: set[str] = set()
         self.responses: asyncio.Queue[scheduler_pb2.StreamResponse | None] = asyncio.Queue()
         self.closed = False
+        # Set once the caller fell max_unread messages behind; nothing more is queued after that.
+        self.overflowed = False
+        self._max_unread = max_unread
         self._release = release
         self._pending: list[scheduler_pb2.RequestEvent] = []
         self._flush_scheduled = False
@@ -92,6 +103,8 @@ class StreamOut:
         self._add(scheduler_pb2.RequestEvent(request_id=request_id, error=failure.to_proto()))
 
     def _add(self, event: scheduler_pb2.RequestEvent) -> None:
+        if self.overflowed:
+            return
         self._pending.append(event)
         if not self._flush_scheduled:
             self._flush_scheduled = True
@@ -99,6 +112,13 @@ class StreamOut:
 
     def _flush(self) -> None:
         self._flush_scheduled = False
+        if self.overflowed:
+            return
+        if self.responses.qsize() >= self._max_unread:
+            self.overflowed = True
+            self._pending = []
+            self.responses.put_nowait(None)
+            return
         if self._pending:
             self.responses.put_nowait(scheduler_pb2.StreamResponse(events=self._pending))
             self._pending = []
@@ -106,5 +126,5 @@ class StreamOut:
 
     def end_if_done(self) -> None:
         """After the caller half-closed, end the stream once its last request has finished."""
-        if self.closed and not self.owned and not self._flush_scheduled:
+        if self.closed and not self.owned and not self._flush_scheduled and not self.overflowed:
             self.responses.put_nowait(None)

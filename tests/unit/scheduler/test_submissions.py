@@ -49,3 +49,19 @@ def test_invalid_field_failure_names_the_field() -> None:
     proto = failure.to_proto()
     assert (proto.code, proto.field, proto.description) == (3, "sampling.top_p", "must be in (0, 1]")
     assert proto.message == "sampling.top_p: must be in (0, 1]"
+
+
+async def test_a_caller_that_stops_reading_is_cut_off_at_the_bound() -> None:
+    out = StreamOut(lambda _: None, max_unread=3)
+    out.owned.add("a")
+    for i in range(10):
+        out.put("a", _tokens(i))
+        await asyncio.sleep(0)
+    # Three unread messages, then the end marker: nothing more is queued, however long the request runs.
+    assert out.overflowed
+    assert out.responses.qsize() == 4
+    queued = [out.responses.get_nowait() for _ in range(4)]
+    assert all(r is not None for r in queued[:3]) and queued[3] is None
+    out.put("a", _tokens(99, final=True))
+    await asyncio.sleep(0)
+    assert out.responses.empty()
