@@ -138,7 +138,7 @@ class WorkerLoop:
         bs = self.planner.block_size
         kv = self.planner.kv
         hashes = request.get_block_hashes(bs)
-        max_hit = (request.num_tokens - 1) // bs
+        max_hit = request.max_reusable_blocks(bs)
         hit = 0
         if kv.enable_prefix_caching:
             for h in hashes[:max_hit]:

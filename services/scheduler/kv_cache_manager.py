@@ -37,7 +37,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return [], 0
         hashes = request.get_block_hashes(self.block_size)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        max_hit_blocks = request.max_reusable_blocks(self.block_size)
         hits: list[Block] = []
         for h in hashes[:max_hit_blocks]:
             block = self.pool.get_cached_block(h)

@@ -36,8 +36,7 @@ class KVStoreLookup:
     async def lookup(self, request: Request, formats: Iterable[tuple[str, int]]) -> None:
         """Set request.stored_blocks for each (kv_format, block_size); a failed lookup leaves 0 (a miss)."""
         for kv_format, block_size in formats:
-            # The last token is always computed, so only blocks before it are worth asking about.
-            hashes = request.get_block_hashes(block_size)[: (request.num_tokens - 1) // block_size]
+            hashes = request.get_block_hashes(block_size)[: request.max_reusable_blocks(block_size)]
             if not hashes:
                 continue
             request.stored_blocks[kv_format] = await self._count(kv_format, hashes[:MAX_BLOCK_HASHES])

@@ -119,6 +119,11 @@ class Request:
             return self.output_token_ids[start - n_prompt : end - n_prompt]
         return self.prompt_token_ids[start:] + self.output_token_ids[: end - n_prompt]
 
+    def max_reusable_blocks(self, block_size: int) -> int:
+        """Leading full blocks whose KV may come from a cache or the kvstore: the last token is always
+        computed, because its logits give the next token."""
+        return (self.num_tokens - 1) // block_size
+
     def get_block_hashes(self, block_size: int) -> list[bytes]:
         """Hash chain of every full block of all_token_ids, extended incrementally."""
         hashes = self._block_hashes.setdefault(block_size, [])

@@ -294,8 +294,7 @@ class WorkerScheduler:
         if self.kv_store is None or not self.kv.enable_prefix_caching:
             return 0
         stored = request.stored_blocks.get(self.kv_store.kv_format, 0)
-        # As for a local hit, the last token is always computed: its logits give the next token.
-        usable = min(stored, (request.num_tokens - 1) // self.block_size, MAX_BLOCK_HASHES)
+        usable = min(stored, request.max_reusable_blocks(self.block_size), MAX_BLOCK_HASHES)
         return max(0, usable - num_hit_blocks)
 
     def _count_lookup(self, request: Request, num_hit: int) -> None:
