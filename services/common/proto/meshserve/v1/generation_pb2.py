@@ -26,13 +26,14 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.meshserve.v1 import sampling_pb2 as meshserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/generation.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xc1\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\tB\x07\n\x05input\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xc5\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\"\xc5\x01\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t2\xa4\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.CompleteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dmeshserve/v1/generation.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"3\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.meshserve.v1.ChatMessage\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xe6\x01\n\x0fGenerateRequest\x12\x10\n\x06prompt\x18\x01 \x01(\tH\x00\x12\"\n\x04\x63hat\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.ChatH\x00\x12+\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x16.meshserve.v1.TokenIdsH\x00\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x0e\n\x01n\x18\x06 \x01(\rH\x01\x88\x01\x01\x12\r\n\x05model\x18\x07 \x01(\tB\x07\n\x05inputB\x04\n\x02_n\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\x85\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12/\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x19.meshserve.v1.TopLogprobs\"\xcb\x01\n\x0e\x43ompleteChoice\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12/\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.TopLogprobs\"\xa5\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.meshserve.v1.Usage\x12\x13\n\x0bstop_reason\x18\x07 \x01(\t\x12-\n\x07\x63hoices\x18\x08 \x03(\x0b\x32\x1c.meshserve.v1.CompleteChoice\x12/\n\x0ctop_logprobs\x18\t \x03(\x0b\x32\x19.meshserve.v1.TopLogprobs2\xa4\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.GenerateResponse0\x01\x12I\n\x08\x43omplete\x12\x1d.meshserve.v1.GenerateRequest\x1a\x1e.meshserve.v1.CompleteResponseBs\n\x0fio.meshserve.v1B\x0fGenerationProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\017io.meshserve.v1B\017GenerationProtoP\001Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\252\002\014Meshserve.V1'
   _globals['_CHATMESSAGE']._serialized_start=76
   _globals['_CHATMESSAGE']._serialized_end=120
   _globals['_CHAT']._serialized_start=122
@@ -40,13 +41,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDS']._serialized_start=175
   _globals['_TOKENIDS']._serialized_end=198
   _globals['_GENERATEREQUEST']._serialized_start=201
-  _globals['_GENERATEREQUEST']._serialized_end=394
-  _globals['_USAGE']._serialized_start=396
-  _globals['_USAGE']._serialized_end=476
-  _globals['_GENERATERESPONSE']._serialized_start=479
-  _globals['_GENERATERESPONSE']._serialized_end=676
-  _globals['_COMPLETERESPONSE']._serialized_start=679
-  _globals['_COMPLETERESPONSE']._serialized_end=876
-  _globals['_GENERATION']._serialized_start=879
-  _globals['_GENERATION']._serialized_end=1043
+  _globals['_GENERATEREQUEST']._serialized_end=431
+  _globals['_USAGE']._serialized_start=433
+  _globals['_USAGE']._serialized_end=513
+  _globals['_GENERATERESPONSE']._serialized_start=516
+  _globals['_GENERATERESPONSE']._serialized_end=777
+  _globals['_COMPLETECHOICE']._serialized_start=780
+  _globals['_COMPLETECHOICE']._serialized_end=983
+  _globals['_COMPLETERESPONSE']._serialized_start=986
+  _globals['_COMPLETERESPONSE']._serialized_end=1279
+  _globals['_GENERATION']._serialized_start=1282
+  _globals['_GENERATION']._serialized_end=1446
 # @@protoc_insertion_point(module_scope)

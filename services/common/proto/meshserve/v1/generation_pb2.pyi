@@ -103,12 +103,23 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
     prompt: _builtins.str
     """Plain text, tokenized as is (with the tokenizer's BOS when it adds one)."""
     request_id: _builtins.str
     """Optional client-chosen id for logs and tracing: at most 128 characters
     from [A-Za-z0-9._:-]. Not a uniqueness key: two clients may send the
     same id. Empty: the x-request-id metadata, else one the gateway makes.
+    """
+    n: _builtins.int
+    """Independent samples of the same prompt (OpenAI's n), 1..16; they share
+    the prompt's KV blocks through the prefix cache. A set seed gives sample
+    i the seed seed + i. Unset: 1.
+    """
+    model: _builtins.str
+    """The served model name (--served-model-name). Empty: the served model;
+    another name is refused with NOT_FOUND.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -130,13 +141,20 @@ class GenerateRequest(_message.Message):
         token_ids: Global___TokenIds | None = ...,
         sampling: _sampling_pb2.SamplingParams | None = ...,
         request_id: _builtins.str = ...,
+        n: _builtins.int | None = ...,
+        model: _builtins.str = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "chat", b"chat", "input", b"input", "n", b"n", "prompt", b"prompt", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_n", b"_n", "chat", b"chat", "input", b"input", "model", b"model", "n", b"n", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__n: _TypeAlias = _typing.Literal["n"]  # noqa: Y015
+    _WhichOneofArgType__n: _TypeAlias = _typing.Literal["_n", b"_n"]  # noqa: Y015
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__n) -> _WhichOneofReturnType__n | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
@@ -184,6 +202,8 @@ class GenerateResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (the client's, or the one the gateway made); set on the
     first message of the stream only.
@@ -196,6 +216,8 @@ class GenerateResponse(_message.Message):
     """Set on the final message only."""
     stop_reason: _builtins.str
     """The stop string or stop token id (as text) that ended the request, if any."""
+    index: _builtins.int
+    """Which of the request's n samples this message belongs to (0-based)."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids generated since the previous message."""
@@ -208,6 +230,10 @@ class GenerateResponse(_message.Message):
     def usage(self) -> Global___Usage:
         """Set on the final message only."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TopLogprobs]:
+        """One entry per token id, when sampling.top_logprobs > 0."""
+
     def __init__(
         self,
         *,
@@ -218,14 +244,68 @@ class GenerateResponse(_message.Message):
         finish_reason: _sampling_pb2.FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         stop_reason: _builtins.str = ...,
+        index: _builtins.int = ...,
+        top_logprobs: _abc.Iterable[_sampling_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class CompleteChoice(_message.Message):
+    """One sample of a Complete answer."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    STOP_REASON_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Which sample (0-based)."""
+    text: _builtins.str
+    """The generated text, with any stop string cut."""
+    finish_reason: _sampling_pb2.FinishReason.ValueType
+    """Why generation ended."""
+    stop_reason: _builtins.str
+    """The stop string or stop token id (as text) that ended the sample, if any."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """All generated token ids."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Log-probabilities of token_ids, when SamplingParams.logprobs was set."""
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TopLogprobs]:
+        """One entry per token id, when sampling.top_logprobs > 0."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+        finish_reason: _sampling_pb2.FinishReason.ValueType = ...,
+        stop_reason: _builtins.str = ...,
+        top_logprobs: _abc.Iterable[_sampling_pb2.TopLogprobs] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___CompleteChoice: _TypeAlias = CompleteChoice  # noqa: Y015
 
 @_typing.final
 class CompleteResponse(_message.Message):
@@ -240,6 +320,8 @@ class CompleteResponse(_message.Message):
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     USAGE_FIELD_NUMBER: _builtins.int
     STOP_REASON_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id."""
     text: _builtins.str
@@ -258,7 +340,17 @@ class CompleteResponse(_message.Message):
 
     @_builtins.property
     def usage(self) -> Global___Usage:
-        """Token counts."""
+        """Token counts, summed over the n samples (prompt_tokens counted once)."""
+
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___CompleteChoice]:
+        """Every sample, in index order; the fields above repeat choices[0] for
+        clients that ask for one.
+        """
+
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TopLogprobs]:
+        """One entry per token id of choices[0], when sampling.top_logprobs > 0."""
 
     def __init__(
         self,
@@ -270,10 +362,12 @@ class CompleteResponse(_message.Message):
         finish_reason: _sampling_pb2.FinishReason.ValueType = ...,
         usage: Global___Usage | None = ...,
         stop_reason: _builtins.str = ...,
+        choices: _abc.Iterable[Global___CompleteChoice] | None = ...,
+        top_logprobs: _abc.Iterable[_sampling_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "request_id", b"request_id", "stop_reason", b"stop_reason", "text", b"text", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

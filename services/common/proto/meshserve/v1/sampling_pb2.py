@@ -25,15 +25,26 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshserve/v1/sampling.proto\x12\x0cmeshserve.v1\"\x86\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seed*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bmeshserve/v1/sampling.proto\x12\x0cmeshserve.v1\"\xd9\x05\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\n \x01(\r\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x05\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x0c \x01(\x02H\x06\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\r \x01(\x02H\x07\x88\x01\x01\x12\x12\n\x05min_p\x18\x0e \x01(\x02H\x08\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0f \x01(\x05H\t\x88\x01\x01\x12?\n\nlogit_bias\x18\x10 \x03(\x0b\x32+.meshserve.v1.SamplingParams.LogitBiasEntry\x12 \n\x13skip_special_tokens\x18\x11 \x01(\x08H\n\x88\x01\x01\x12&\n\x07grammar\x18\x12 \x01(\x0b\x32\x15.meshserve.v1.Grammar\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedB\x15\n\x13_repetition_penaltyB\x14\n\x12_frequency_penaltyB\x13\n\x11_presence_penaltyB\x08\n\x06_min_pB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x89\x01\n\x07Grammar\x12\x15\n\x0bjson_object\x18\x01 \x01(\x08H\x00\x12\x15\n\x0bjson_schema\x18\x02 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.meshserve.v1.ChoicesH\x00\x12\x0e\n\x04\x65\x62nf\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"2\n\x0bTopLogprobs\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x42q\n\x0fio.meshserve.v1B\rSamplingProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.sampling_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
-  DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=310
-  _globals['_FINISHREASON']._serialized_end=430
+  _globals['DESCRIPTOR']._loaded_options = None
+  _globals['DESCRIPTOR']._serialized_options = b'\n\017io.meshserve.v1B\rSamplingProtoP\001Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\252\002\014Meshserve.V1'
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=997
+  _globals['_FINISHREASON']._serialized_end=1117
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=308
+  _globals['_SAMPLINGPARAMS']._serialized_end=775
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=552
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=600
+  _globals['_GRAMMAR']._serialized_start=778
+  _globals['_GRAMMAR']._serialized_end=915
+  _globals['_CHOICES']._serialized_start=917
+  _globals['_CHOICES']._serialized_end=943
+  _globals['_TOPLOGPROBS']._serialized_start=945
+  _globals['_TOPLOGPROBS']._serialized_end=995
 # @@protoc_insertion_point(module_scope)

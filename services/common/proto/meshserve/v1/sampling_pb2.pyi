@@ -16,10 +16,10 @@ import builtins as _builtins
 import sys
 import typing as _typing
 
-if sys.version_info >= (3, 10):
-    from typing import TypeAlias as _TypeAlias
+if sys.version_info >= (3, 11):
+    from typing import TypeAlias as _TypeAlias, Never as _Never
 else:
-    from typing_extensions import TypeAlias as _TypeAlias
+    from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
@@ -57,6 +57,26 @@ class SamplingParams(_message.Message):
 
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     MAX_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_P_FIELD_NUMBER: _builtins.int
@@ -66,6 +86,15 @@ class SamplingParams(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     IGNORE_EOS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    MIN_P_FIELD_NUMBER: _builtins.int
+    MIN_TOKENS_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Upper bound on generated tokens. Unset: as many as --max-model-len allows
     after the prompt. Must be >= 1 when set.
@@ -86,6 +115,36 @@ class SamplingParams(_message.Message):
     """Keep generating past the model's end-of-sequence token(s)."""
     logprobs: _builtins.bool
     """Return the log-probability of each sampled token."""
+    top_logprobs: _builtins.int
+    """Also return the top_logprobs most likely tokens at each position with
+    their log-probabilities (raw model distribution). 0..20; needs logprobs.
+    """
+    repetition_penalty: _builtins.float
+    """Divides positive logits (multiplies negative ones) of every token already
+    in the prompt or the output, as vLLM and transformers do. Unset: 1.0
+    (off). Must be > 0 and at most 10.
+    """
+    frequency_penalty: _builtins.float
+    """Subtracts frequency_penalty x (times the token occurs in the output) from
+    its logit (OpenAI). Unset: 0. Must lie in [-2, 2].
+    """
+    presence_penalty: _builtins.float
+    """Subtracts presence_penalty from the logit of every token that occurs in
+    the output (OpenAI). Unset: 0. Must lie in [-2, 2].
+    """
+    min_p: _builtins.float
+    """Drops tokens whose probability is below min_p x the top token's. Unset:
+    0 (off). Must lie in [0, 1].
+    """
+    min_tokens: _builtins.int
+    """EOS and stop_token_ids cannot be sampled, and stop strings do not match,
+    before this many tokens are generated. Unset: 0. Must be >= 0 and at
+    most max_tokens.
+    """
+    skip_special_tokens: _builtins.bool
+    """Leave special tokens (EOS, chat-template markers) out of the returned
+    text. Unset: true, as vLLM does. Token ids are returned either way.
+    """
     @_builtins.property
     def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Strings that end the request when they appear in the output; the match
@@ -97,6 +156,19 @@ class SamplingParams(_message.Message):
     def stop_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Token ids that end the request when sampled (returned in token_ids, and
         their text is not added to the output). At most 64.
+        """
+
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Added to the logits of the given token ids before sampling (OpenAI's
+        logit_bias); -100 bans a token, 100 all but forces it. At most 1024
+        entries, ids in the vocabulary, values in [-100, 100].
+        """
+
+    @_builtins.property
+    def grammar(self) -> Global___Grammar:
+        """Constrain the output to a grammar, enforced on the worker with token
+        masks. Unset: unconstrained.
         """
 
     def __init__(
@@ -111,15 +183,36 @@ class SamplingParams(_message.Message):
         stop_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         ignore_eos: _builtins.bool = ...,
         logprobs: _builtins.bool = ...,
+        top_logprobs: _builtins.int = ...,
+        repetition_penalty: _builtins.float | None = ...,
+        frequency_penalty: _builtins.float | None = ...,
+        presence_penalty: _builtins.float | None = ...,
+        min_p: _builtins.float | None = ...,
+        min_tokens: _builtins.int | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        skip_special_tokens: _builtins.bool | None = ...,
+        grammar: Global___Grammar | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "max_tokens", b"max_tokens", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens", "_seed", b"_seed", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "ignore_eos", b"ignore_eos", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "seed", b"seed", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_min_tokens", b"_min_tokens", "_presence_penalty", b"_presence_penalty", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "grammar", b"grammar", "ignore_eos", b"ignore_eos", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "temperature", b"temperature", "top_k", b"top_k", "top_logprobs", b"top_logprobs", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
+    _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015
     _WhichOneofReturnType__max_tokens: _TypeAlias = _typing.Literal["max_tokens"]  # noqa: Y015
     _WhichOneofArgType__max_tokens: _TypeAlias = _typing.Literal["_max_tokens", b"_max_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__min_p: _TypeAlias = _typing.Literal["min_p"]  # noqa: Y015
+    _WhichOneofArgType__min_p: _TypeAlias = _typing.Literal["_min_p", b"_min_p"]  # noqa: Y015
+    _WhichOneofReturnType__min_tokens: _TypeAlias = _typing.Literal["min_tokens"]  # noqa: Y015
+    _WhichOneofArgType__min_tokens: _TypeAlias = _typing.Literal["_min_tokens", b"_min_tokens"]  # noqa: Y015
+    _WhichOneofReturnType__presence_penalty: _TypeAlias = _typing.Literal["presence_penalty"]  # noqa: Y015
+    _WhichOneofArgType__presence_penalty: _TypeAlias = _typing.Literal["_presence_penalty", b"_presence_penalty"]  # noqa: Y015
+    _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
+    _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015
     _WhichOneofReturnType__seed: _TypeAlias = _typing.Literal["seed"]  # noqa: Y015
     _WhichOneofArgType__seed: _TypeAlias = _typing.Literal["_seed", b"_seed"]  # noqa: Y015
+    _WhichOneofReturnType__skip_special_tokens: _TypeAlias = _typing.Literal["skip_special_tokens"]  # noqa: Y015
+    _WhichOneofArgType__skip_special_tokens: _TypeAlias = _typing.Literal["_skip_special_tokens", b"_skip_special_tokens"]  # noqa: Y015
     _WhichOneofReturnType__temperature: _TypeAlias = _typing.Literal["temperature"]  # noqa: Y015
     _WhichOneofArgType__temperature: _TypeAlias = _typing.Literal["_temperature", b"_temperature"]  # noqa: Y015
     _WhichOneofReturnType__top_k: _TypeAlias = _typing.Literal["top_k"]  # noqa: Y015
@@ -127,9 +220,21 @@ class SamplingParams(_message.Message):
     _WhichOneofReturnType__top_p: _TypeAlias = _typing.Literal["top_p"]  # noqa: Y015
     _WhichOneofArgType__top_p: _TypeAlias = _typing.Literal["_top_p", b"_top_p"]  # noqa: Y015
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__frequency_penalty) -> _WhichOneofReturnType__frequency_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__max_tokens) -> _WhichOneofReturnType__max_tokens | None: ...
     @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_p) -> _WhichOneofReturnType__min_p | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__min_tokens) -> _WhichOneofReturnType__min_tokens | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__presence_penalty) -> _WhichOneofReturnType__presence_penalty | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__repetition_penalty) -> _WhichOneofReturnType__repetition_penalty | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__seed) -> _WhichOneofReturnType__seed | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__skip_special_tokens) -> _WhichOneofReturnType__skip_special_tokens | None: ...
     @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__temperature) -> _WhichOneofReturnType__temperature | None: ...
     @_typing.overload
@@ -138,3 +243,108 @@ class SamplingParams(_message.Message):
     def WhichOneof(self, oneof_group: _WhichOneofArgType__top_p) -> _WhichOneofReturnType__top_p | None: ...
 
 Global___SamplingParams: _TypeAlias = SamplingParams  # noqa: Y015
+
+@_typing.final
+class Grammar(_message.Message):
+    """A constraint on the output, compiled by the worker's grammar engine. The
+    constraint state is rebuilt from the tokens already generated, so a request
+    moved to another worker keeps it.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_OBJECT_FIELD_NUMBER: _builtins.int
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    EBNF_FIELD_NUMBER: _builtins.int
+    json_object: _builtins.bool
+    """Any JSON object (OpenAI's response_format json_object)."""
+    json_schema: _builtins.str
+    """A JSON schema, as JSON text (OpenAI's response_format json_schema).
+    At most 65536 bytes.
+    """
+    regex: _builtins.str
+    """A regular expression the whole output must match. At most 65536 bytes."""
+    ebnf: _builtins.str
+    """A grammar in the engine's EBNF dialect (GBNF-like, root rule "root").
+    At most 65536 bytes.
+    """
+    @_builtins.property
+    def choice(self) -> Global___Choices:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_object: _builtins.bool = ...,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choices | None = ...,
+        ebnf: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "ebnf", b"ebnf", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "ebnf", b"ebnf", "json_object", b"json_object", "json_schema", b"json_schema", "kind", b"kind", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_kind: _TypeAlias = _typing.Literal["json_object", "json_schema", "regex", "choice", "ebnf"]  # noqa: Y015
+    _WhichOneofArgType_kind: _TypeAlias = _typing.Literal["kind", b"kind"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_kind) -> _WhichOneofReturnType_kind | None: ...
+
+Global___Grammar: _TypeAlias = Grammar  # noqa: Y015
+
+@_typing.final
+class Choices(_message.Message):
+    """Alternatives for Grammar.choice: at most 256, each non-empty and at most
+    1024 characters.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CHOICES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed outputs, each matched exactly."""
+
+    def __init__(
+        self,
+        *,
+        choices: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choices: _TypeAlias = Choices  # noqa: Y015
+
+@_typing.final
+class TopLogprobs(_message.Message):
+    """The most likely tokens at one output position."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Token ids, most likely first."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """Their log-probabilities, in the same order."""
+
+    def __init__(
+        self,
+        *,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        logprobs: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TopLogprobs: _TypeAlias = TopLogprobs  # noqa: Y015

@@ -119,6 +119,7 @@ class TokenEvent(_message.Message):
     NUM_CACHED_TOKENS_FIELD_NUMBER: _builtins.int
     STOP_TOKEN_ID_FIELD_NUMBER: _builtins.int
     STOP_KIND_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     finish_reason: _sampling_pb2.FinishReason.ValueType
     """Set on the final event only."""
     num_cached_tokens: _builtins.int
@@ -135,6 +136,10 @@ class TokenEvent(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Their log-probabilities, when asked for."""
 
+    @_builtins.property
+    def top_logprobs(self) -> _containers.RepeatedCompositeFieldContainer[_sampling_pb2.TopLogprobs]:
+        """One entry per token id, when sampling.top_logprobs > 0."""
+
     def __init__(
         self,
         *,
@@ -144,10 +149,11 @@ class TokenEvent(_message.Message):
         num_cached_tokens: _builtins.int = ...,
         stop_token_id: _builtins.int | None = ...,
         stop_kind: Global___StopKind.ValueType = ...,
+        top_logprobs: _abc.Iterable[_sampling_pb2.TopLogprobs] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "stop_token_id", b"stop_token_id"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "stop_kind", b"stop_kind", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "num_cached_tokens", b"num_cached_tokens", "stop_kind", b"stop_kind", "stop_token_id", b"stop_token_id", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__stop_token_id: _TypeAlias = _typing.Literal["stop_token_id"]  # noqa: Y015
     _WhichOneofArgType__stop_token_id: _TypeAlias = _typing.Literal["_stop_token_id", b"_stop_token_id"]  # noqa: Y015

@@ -275,6 +275,7 @@ class NewRequest(_message.Message):
     BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
+    EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id; keys the worker's persistent batch."""
     num_computed_tokens: _builtins.int
@@ -301,6 +302,12 @@ class NewRequest(_message.Message):
         num_computed_tokens + num_scheduled_tokens tokens.
         """
 
+    @_builtins.property
+    def eos_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The model's end-of-sequence ids (unless sampling.ignore_eos): with
+        sampling.stop_token_ids, the tokens masked before sampling.min_tokens.
+        """
+
     def __init__(
         self,
         *,
@@ -311,10 +318,11 @@ class NewRequest(_message.Message):
         block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_computed_tokens: _builtins.int = ...,
         num_scheduled_tokens: _builtins.int = ...,
+        eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "eos_token_ids", b"eos_token_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -512,22 +520,30 @@ class SampledToken(_message.Message):
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
+    TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     token_id: _builtins.int
     """Sampled token id."""
     logprob: _builtins.float
     """Its log-probability, when the request asked for logprobs."""
+    @_builtins.property
+    def top_logprobs(self) -> _sampling_pb2.TopLogprobs:
+        """The sampling.top_logprobs most likely tokens at this position, when
+        asked for.
+        """
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
+        top_logprobs: _sampling_pb2.TopLogprobs | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
