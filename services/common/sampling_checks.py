@@ -15,6 +15,12 @@ MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_EOS_TOKEN_IDS = 64
 MAX_CHAT_MESSAGES = 256
+MAX_LOGIT_BIAS_ENTRIES = 1024
+# OpenAI's and vLLM's caps: top_logprobs up to 20, logit_bias values in [-100, 100], penalties in [-2, 2].
+MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+MAX_OPENAI_PENALTY = 2.0
+MAX_REPETITION_PENALTY = 10.0
 
 
 class InvalidField(ValueError):
@@ -50,6 +56,59 @@ def check_sampling(params: sampling_pb2.SamplingParams, vocab_size: int | None =
     check_count(len(params.stop_token_ids), MAX_STOP_TOKEN_IDS, "sampling.stop_token_ids", "stop token ids")
     if vocab_size is not None:
         check_token_ids(params.stop_token_ids, vocab_size, "sampling.stop_token_ids")
+    _check_extras(params, vocab_size)
+
+
+def _finite_in(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
+
+
+def _check_extras(params: sampling_pb2.SamplingParams, vocab_size: int | None) -> None:
+    """The vLLM / OpenAI extras: penalties, min_p, min_tokens, logit_bias, top_logprobs."""
+    if params.top_logprobs > MAX_TOP_LOGPROBS:
+        raise InvalidField(
+            "sampling.top_logprobs", f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}]; got {params.top_logprobs}"
+        )
+    if params.top_logprobs and not params.logprobs:
+        raise InvalidField("sampling.top_logprobs", "top_logprobs needs logprobs; set logprobs = true")
+    if params.HasField("repetition_penalty") and not (
+        params.repetition_penalty > 0 and _finite_in(params.repetition_penalty, 0, MAX_REPETITION_PENALTY)
+    ):
+        raise InvalidField(
+            "sampling.repetition_penalty",
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 = off); "
+            f"got {params.repetition_penalty:g}",
+        )
+    for name in ("frequency_penalty", "presence_penalty"):
+        if params.HasField(name):
+            value = getattr(params, name)
+            if not _finite_in(value, -MAX_OPENAI_PENALTY, MAX_OPENAI_PENALTY):
+                raise InvalidField(
+                    f"sampling.{name}",
+                    f"{name} must be in [-{MAX_OPENAI_PENALTY:g}, {MAX_OPENAI_PENALTY:g}] (0 = off); got {value:g}",
+                )
+    if params.HasField("min_p") and not _finite_in(params.min_p, 0, 1):
+        raise InvalidField("sampling.min_p", f"min_p must be in [0, 1] (0 = off); got {params.min_p:g}")
+    if params.HasField("min_tokens"):
+        if params.min_tokens < 0:
+            raise InvalidField("sampling.min_tokens", f"min_tokens must be >= 0; got {params.min_tokens}")
+        if params.HasField("max_tokens") and params.min_tokens > params.max_tokens:
+            raise InvalidField(
+                "sampling.min_tokens",
+                f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+            )
+    bias = params.logit_bias
+    check_count(len(bias), MAX_LOGIT_BIAS_ENTRIES, "sampling.logit_bias", "logit_bias entries")
+    for token, value in bias.items():
+        if vocab_size is not None and not 0 <= token < vocab_size:
+            raise InvalidField(
+                f"sampling.logit_bias[{token}]", f"token id {token} is outside the model's vocabulary [0, {vocab_size})"
+            )
+        if not _finite_in(value, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS):
+            raise InvalidField(
+                f"sampling.logit_bias[{token}]",
+                f"bias must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]; got {value:g}",
+            )
 
 
 def check_stop_strings(stops: Sequence[str]) -> None:
@@ -92,6 +151,19 @@ def check_prompt_length(num_tokens: int, max_model_len: int, field: str) -> None
 
 
 def resolve_max_tokens(params: sampling_pb2.SamplingParams, prompt_len: int, max_model_len: int) -> int:
-    """Tokens the request may generate: its max_tokens, capped by what fits in max_model_len."""
+    """Tokens the request may generate: its max_tokens, or all the room max_model_len leaves when unset.
+
+    A max_tokens that does not fit is refused, as vLLM and OpenAI do, rather than silently clamped: a
+    client that asked for 500 tokens and got 40 would not know why its answer stopped.
+    """
     room = max_model_len - prompt_len
-    return min(params.max_tokens, room) if params.HasField("max_tokens") else room
+    if not params.HasField("max_tokens"):
+        return room
+    if params.max_tokens > room:
+        raise InvalidField(
+            "sampling.max_tokens",
+            f"the prompt is {prompt_len} tokens and max_tokens is {params.max_tokens}: "
+            f"{prompt_len + params.max_tokens} tokens, more than --max-model-len {max_model_len}; "
+            f"lower max_tokens to at most {room} or shorten the prompt",
+        )
+    return params.max_tokens

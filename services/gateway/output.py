@@ -29,9 +29,19 @@ class Output:
 class OutputProcessor:
     """Turns one request's token events into responses, in order; one instance per request."""
 
-    def __init__(self, tokenizer: TextTokenizer, prompt_token_ids: Sequence[int], stops: Sequence[str]) -> None:
-        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
-        self._stops = StopStringMatcher(list(stops))
+    def __init__(
+        self,
+        tokenizer: TextTokenizer,
+        prompt_token_ids: Sequence[int],
+        sampling: sampling_pb2.SamplingParams,
+        index: int = 0,
+    ) -> None:
+        skip_special = sampling.skip_special_tokens if sampling.HasField("skip_special_tokens") else True
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens=skip_special)
+        self._stops = StopStringMatcher(list(sampling.stop))
+        # As in vLLM, stop strings match only in text generated after the first min_tokens tokens.
+        self._min_tokens = sampling.min_tokens
+        self._index = index
         self.usage = generation_pb2.Usage(prompt_tokens=len(prompt_token_ids))
 
     def process(self, event: scheduler_pb2.TokenEvent) -> Output:
@@ -49,8 +59,10 @@ class OutputProcessor:
         if final:
             # Text held back for an unfinished multi-byte character is due now.
             delta += self._detok.flush()
-        emit, matched = self._stops.feed(delta)
-        response = generation_pb2.GenerateResponse(text=emit, token_ids=ids, logprobs=event.logprobs)
+        emit, matched = self._stops.feed(delta, may_stop=self.usage.completion_tokens > self._min_tokens)
+        response = generation_pb2.GenerateResponse(
+            text=emit, token_ids=ids, logprobs=event.logprobs, top_logprobs=event.top_logprobs, index=self._index
+        )
         if matched is not None:
             response.finish_reason = sampling_pb2.FINISH_REASON_STOP
             response.stop_reason = matched

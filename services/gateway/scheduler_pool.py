@@ -24,6 +24,8 @@ class ModelLimits:
 
     max_model_len: int
     vocab_size: int
+    # The name the workers serve under (their directory or served name); empty when unknown.
+    model_name: str = ""
 
 
 def is_healthy(info: scheduler_pb2.ModelInfo | None) -> bool:
@@ -114,7 +116,7 @@ class SchedulerPool:
         infos = [b.info for b in self.backends if b.healthy and b.info is not None]
         if not infos:
             return None
-        return ModelLimits(min(i.max_model_len for i in infos), min(i.vocab_size for i in infos))
+        return ModelLimits(min(i.max_model_len for i in infos), min(i.vocab_size for i in infos), infos[0].model_name)
 
     def pick(self, prompt_token_ids: Sequence[int]) -> SchedulerBackend | None:
         """The scheduler for a new request with this prompt (see routing.choose); None when none is healthy."""

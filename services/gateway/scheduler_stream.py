@@ -92,6 +92,7 @@ def _merge(into: scheduler_pb2.TokenEvent, later: scheduler_pb2.TokenEvent) -> N
     """Fold a later event of the same request into one still waiting: tokens appended, the end carried."""
     into.token_ids.extend(later.token_ids)
     into.logprobs.extend(later.logprobs)
+    into.top_logprobs.extend(later.top_logprobs)
     into.num_cached_tokens = into.num_cached_tokens or later.num_cached_tokens
     if later.finish_reason:
         into.finish_reason = later.finish_reason

@@ -12,6 +12,8 @@ from services.common.model_paths import resolve_model_path
 from services.common.sampling_checks import InvalidField, check_eos_token_ids
 from services.gateway.admission import Admission
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.pipeline import GenerationPipeline
+from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from services.gateway.scheduler_pool import SchedulerPool
 from services.gateway.servicer import SERVICE_NAME, GenerationServicer
 from services.gateway.settings import GatewaySettings
@@ -27,7 +29,13 @@ class Gateway:
     again once a stop was requested.
     """
 
-    def __init__(self, settings: GatewaySettings, tokenizer: TextTokenizer, metrics: GatewayMetrics | None = None):
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        tokenizer: TextTokenizer,
+        metrics: GatewayMetrics | None = None,
+        defaults: SamplingDefaults | None = None,
+    ):
         try:
             check_eos_token_ids(tokenizer.eos_token_ids)
         except InvalidField as err:
@@ -53,14 +61,16 @@ class Gateway:
             settings.max_concurrent_requests, settings.max_concurrent_requests_per_client, settings.retry_after
         )
         self._executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
-        self.servicer = GenerationServicer(
+        self.pipeline = GenerationPipeline(
             tokenizer,
             self.pool,
             admission,
             self._executor,
             metrics or GatewayMetrics(),
-            write_timeout=settings.stream_write_timeout,
+            defaults=defaults,
+            served_model_names=settings.served_model_name,
         )
+        self.servicer = GenerationServicer(self.pipeline, write_timeout=settings.stream_write_timeout)
         self.service.server.add_generic_rpc_handlers((self.servicer.handlers(),))
 
     async def _on_health_change(self, healthy: bool) -> None:
@@ -83,7 +93,7 @@ class Gateway:
     async def run_until_stopped(self) -> None:
         """Serve until request_stop() (or a signal), drain, then close everything."""
         try:
-            await self.service.run_until_stopped(self.servicer.drain)
+            await self.service.run_until_stopped(self.pipeline.drain)
         finally:
             await self.close()
 
@@ -97,8 +107,14 @@ async def serve(settings: GatewaySettings) -> None:
     """Serve until SIGTERM/SIGINT, then let in-flight streams finish within the grace period."""
     configure_logging("gateway", settings.log_level, settings.log_format)
     model_dir = resolve_model_path(settings.model)
-    gateway = Gateway(settings, TextTokenizer.from_dir(model_dir))
+    defaults = load_sampling_defaults(model_dir, settings.generation_config)
+    gateway = Gateway(settings, TextTokenizer.from_dir(model_dir), defaults=defaults)
     gateway.service.install_signal_handlers()
     await gateway.start()
-    log.info("gateway started", model=str(model_dir), schedulers=settings.scheduler_addresses)
+    log.info(
+        "gateway started",
+        model=str(model_dir),
+        schedulers=settings.scheduler_addresses,
+        sampling_defaults=defaults.source,
+    )
     await gateway.run_until_stopped()

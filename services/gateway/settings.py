@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, field_validator
 
 from services.common.settings import ServiceSettings
@@ -19,6 +21,15 @@ class GatewaySettings(ServiceSettings):
     port: int = Field(DEFAULT_PORT, description="public gRPC port", ge=0, le=65535)
     scheduler_address: str = Field("127.0.0.1:50052", description="scheduler host:port, or several separated by commas")
     model: str | None = Field(None, description="model directory holding the tokenizer (unset: the embedded SmolLM2)")
+    served_model_name: list[str] = Field(
+        default_factory=list,
+        description="names clients may give as the model (the first is listed in /v1/models); unset: the name "
+        "the workers report",
+    )
+    generation_config: Literal["auto", "vllm"] = Field(
+        "auto",
+        description="sampling defaults: auto takes them from the model's generation_config.json, vllm ignores it",
+    )
     # Admission. The total cap is also what bounds the gateway's buffering: see stream_buffer_tokens.
     max_concurrent_requests: int = Field(
         1024, description="requests this gateway runs at once; more get RESOURCE_EXHAUSTED", ge=1

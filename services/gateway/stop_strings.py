@@ -44,12 +44,21 @@ class StopStringMatcher:
                 return n
         return 0
 
-    def feed(self, delta: str) -> tuple[str, str | None]:
-        """Add new text; return (text safe to emit now, the stop string that matched or None)."""
+    def feed(self, delta: str, *, may_stop: bool = True) -> tuple[str, str | None]:
+        """Add new text; return (text safe to emit now, the stop string that matched or None).
+
+        With may_stop False (before min_tokens) nothing matches; the text is still held back where it
+        could begin a stop string, so a match that completes once stopping is allowed is still found.
+        """
         if self._stopped is not None:
             return "", None
         if not self._stops:
             return delta, None
+        if not may_stop:
+            text = self._held + delta
+            keep = self._held_suffix_len(text)
+            self._held = text[len(text) - keep :]
+            return text[: len(text) - keep], None
         text = self._held + delta
         match = self._find_match(text)
         if match is not None:

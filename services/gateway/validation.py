@@ -20,12 +20,15 @@ from services.common.sampling_checks import (
     check_token_ids,
 )
 from services.gateway.chat_template import ChatTemplateError
+from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.tokenizer import NoChatTemplateError, TextTokenizer
 
 CHAT_ROLES = ("system", "user", "assistant")
-DEFAULT_TEMPERATURE = 1.0
-DEFAULT_TOP_P = 1.0
-DEFAULT_TOP_K = 0
+# Samples per request (OpenAI's n): each is a request of its own on the scheduler, so the cap bounds
+# what one call can make the cluster do.
+MAX_N = 16
+
+_VLLM_DEFAULTS = SamplingDefaults()
 
 # One error type for every hop, so the gateway and the scheduler word violations alike.
 ValidationError = InvalidField
@@ -69,6 +72,8 @@ class ResolvedRequest:
     prompt_token_ids: list[int]
     sampling: sampling_pb2.SamplingParams
     input_kind: str
+    # Independent samples to generate (GenerateRequest.n).
+    n: int = 1
 
 
 def _length_field(kind: str) -> str:
@@ -107,6 +112,8 @@ def check_input(req: generation_pb2.GenerateRequest, limits: Limits) -> CheckedI
     kind = req.WhichOneof("input")
     if kind is None:
         raise ValidationError("input", "set exactly one of prompt, chat or token_ids")
+    if req.HasField("n") and not 1 <= req.n <= MAX_N:
+        raise ValidationError("n", f"n must be in [1, {MAX_N}]; got {req.n}")
     check_sampling(req.sampling, limits.vocab_size)
     if kind == "prompt":
         text = req.prompt  # read once: each read of a string field makes a new copy
@@ -140,24 +147,28 @@ def encode_input(checked: CheckedInput, tokenizer: TextTokenizer) -> list[int]:
 
 
 def finish(
-    req: generation_pb2.GenerateRequest, checked: CheckedInput, prompt_ids: list[int], limits: Limits
+    req: generation_pb2.GenerateRequest,
+    checked: CheckedInput,
+    prompt_ids: list[int],
+    limits: Limits,
+    defaults: SamplingDefaults = _VLLM_DEFAULTS,
 ) -> ResolvedRequest:
-    """Check the prompt's token count and fill sampling defaults (max_tokens stays as sent)."""
+    """Check the prompt's token count and fill sampling defaults (a max_tokens the client sent stays as
+    sent: the scheduler alone resolves it against the model length)."""
     check_prompt_length(len(prompt_ids), limits.max_model_len, _length_field(checked.kind))
     sp = sampling_pb2.SamplingParams()
     sp.CopyFrom(req.sampling)
-    if not sp.HasField("temperature"):
-        sp.temperature = DEFAULT_TEMPERATURE
-    if not sp.HasField("top_p"):
-        sp.top_p = DEFAULT_TOP_P
-    if not sp.HasField("top_k"):
-        sp.top_k = DEFAULT_TOP_K
-    return ResolvedRequest(prompt_token_ids=prompt_ids, sampling=sp, input_kind=checked.kind)
+    defaults.apply(sp)
+    n = req.n if req.HasField("n") else 1
+    return ResolvedRequest(prompt_token_ids=prompt_ids, sampling=sp, input_kind=checked.kind, n=n)
 
 
 def validate_and_resolve(
-    req: generation_pb2.GenerateRequest, tokenizer: TextTokenizer, limits: Limits
+    req: generation_pb2.GenerateRequest,
+    tokenizer: TextTokenizer,
+    limits: Limits,
+    defaults: SamplingDefaults = _VLLM_DEFAULTS,
 ) -> ResolvedRequest:
-    """All three steps in one call (for tools and tests; the servicer runs encode_input on a thread)."""
+    """All three steps in one call (for tools and tests; the pipeline runs encode_input on a thread)."""
     checked = check_input(req, limits)
-    return finish(req, checked, encode_input(checked, tokenizer), limits)
+    return finish(req, checked, encode_input(checked, tokenizer), limits, defaults)

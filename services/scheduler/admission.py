@@ -91,6 +91,12 @@ def _check(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits) -> int:
             f"the prompt of {len(submit.prompt_token_ids)} tokens leaves no room to generate in a worker's KV "
             f"cache ({limits.max_sequence_tokens} tokens); shorten it",
         )
+    if submit.sampling.min_tokens > max_tokens:
+        raise InvalidField(
+            "sampling.min_tokens",
+            f"min_tokens ({submit.sampling.min_tokens}) is more than the {max_tokens} tokens the request may "
+            "generate; lower it",
+        )
     total = len(submit.prompt_token_ids) + max_tokens
     if total > limits.max_sequence_tokens:
         raise InvalidField(

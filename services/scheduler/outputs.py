@@ -36,6 +36,7 @@ class OutputProcessor:
         event = scheduler_pb2.TokenEvent(token_ids=out.new_token_ids)
         if req.sampling.logprobs:
             event.logprobs.extend(out.new_logprobs)
+            event.top_logprobs.extend(out.new_top_logprobs)
         if sub.first_token_at is None and out.new_token_ids:
             sub.first_token_at = now
             event.num_cached_tokens = req.num_cached_tokens

@@ -66,7 +66,6 @@ class Request:
         # time.monotonic() by which the caller gives up (its gRPC deadline); None: no deadline.
         self.deadline = deadline
         self.output_token_ids: list[int] = []
-        self.output_logprobs: list[float] = []
         # Tokens whose KV is in (or, for steps in flight, being written to) this request's blocks.
         self.num_computed_tokens = 0
         # Tokens that steps in flight will sample for this request (0 or 1): known to the worker, not yet here.
@@ -143,6 +142,10 @@ def check_stop(request: Request) -> RequestStatus | None:
     if not request.output_token_ids:
         return None
     last = request.output_token_ids[-1]
+    # Before min_tokens the worker masks EOS and stop ids; the check stays here too so that no sampler
+    # can end a request early.
+    if len(request.output_token_ids) <= request.sampling.min_tokens:
+        return RequestStatus.FINISHED_LENGTH if len(request.output_token_ids) >= request.max_tokens else None
     if not request.sampling.ignore_eos and last in request.eos_token_ids:
         request.stop_kind = scheduler_pb2.STOP_KIND_EOS
         return RequestStatus.FINISHED_STOPPED

@@ -8,7 +8,7 @@ from typing import Protocol
 
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.kv_store_limits import MAX_BLOCK_HASHES
-from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
+from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
 from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, check_stop
@@ -37,6 +37,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_logprobs: list[float]
     finish_reason: RequestStatus | None
+    new_top_logprobs: list[sampling_pb2.TopLogprobs] = field(default_factory=list)
     # The worker's error text when the step failed (finish_reason is then FINISHED_ABORTED).
     error: str | None = None
 
@@ -399,6 +400,7 @@ class WorkerScheduler:
                     block_ids=self.kv.block_ids(r),
                     num_computed_tokens=p.num_computed,
                     num_scheduled_tokens=p.num_scheduled,
+                    eos_token_ids=() if r.sampling.ignore_eos else sorted(r.eos_token_ids),
                 )
             )
             self._on_worker.add(r.request_id)
@@ -444,8 +446,9 @@ class WorkerScheduler:
                 out = outputs[request.request_id] = RequestOutput(request, [], [], None)
             out.new_token_ids.append(sampled.token_id)
             if request.sampling.logprobs:
-                request.output_logprobs.append(sampled.logprob)
                 out.new_logprobs.append(sampled.logprob)
+                if request.sampling.top_logprobs:
+                    out.new_top_logprobs.append(sampled.top_logprobs)
             status = check_stop(request)
             if status is not None:
                 self._finish(request, status)

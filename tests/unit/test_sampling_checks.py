@@ -10,6 +10,7 @@ from services.common.errors import request_error_status, retry_status
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
 from services.common.sampling_checks import (
     MAX_EOS_TOKEN_IDS,
+    MAX_LOGIT_BIAS_ENTRIES,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -38,6 +39,44 @@ def test_caps_at_and_over_the_limit() -> None:
     # The count is checked before the ids, so a huge list costs nothing to refuse.
     assert _field(sampling_pb2.SamplingParams(stop_token_ids=[1000] * (MAX_STOP_TOKEN_IDS + 1))) == (
         "sampling.stop_token_ids"
+    )
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        ({"top_logprobs": 21, "logprobs": True}, "sampling.top_logprobs"),
+        ({"top_logprobs": 5}, "sampling.top_logprobs"),  # needs logprobs
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"repetition_penalty": float("nan")}, "sampling.repetition_penalty"),
+        ({"frequency_penalty": 2.5}, "sampling.frequency_penalty"),
+        ({"presence_penalty": -3.0}, "sampling.presence_penalty"),
+        ({"min_p": 1.5}, "sampling.min_p"),
+        ({"min_tokens": -1}, "sampling.min_tokens"),
+        ({"min_tokens": 5, "max_tokens": 4}, "sampling.min_tokens"),
+        ({"logit_bias": {100: 1.0}}, "sampling.logit_bias[100]"),
+        ({"logit_bias": {3: 101.0}}, "sampling.logit_bias[3]"),
+        ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS_ENTRIES + 1)}}, "sampling.logit_bias"),
+    ],
+)
+def test_sampling_extras_out_of_range(params: dict[str, object], field: str) -> None:
+    assert _field(sampling_pb2.SamplingParams(**params)) == field  # type: ignore[arg-type]
+
+
+def test_sampling_extras_in_range() -> None:
+    check_sampling(
+        sampling_pb2.SamplingParams(
+            logprobs=True,
+            top_logprobs=20,
+            repetition_penalty=1.3,
+            frequency_penalty=-2.0,
+            presence_penalty=2.0,
+            min_p=0.05,
+            min_tokens=4,
+            max_tokens=4,
+            logit_bias={0: -100.0, 99: 100.0},
+        ),
+        vocab_size=100,
     )
 
 

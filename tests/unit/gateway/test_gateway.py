@@ -17,6 +17,7 @@ from services.common.proto.meshserve.v1 import (
     sampling_pb2,
     scheduler_pb2,
 )
+from services.gateway.pipeline import Call
 from services.gateway.request_ids import RequestIds
 from services.gateway.scheduler_stream import SCHEDULER_UNAVAILABLE
 from services.gateway.tokenizer import TextTokenizer
@@ -230,10 +231,11 @@ class _Expired:
 async def test_an_expired_deadline_is_never_submitted(tok: TextTokenizer) -> None:
     fake = FakeScheduler()
     async with running_gateway(tok, [fake]) as gateway:
-        servicer = gateway.servicer
-        resolved = await servicer._resolve(_req(), servicer._limits())
+        pipeline = gateway.pipeline
+        resolved = await pipeline.resolve(_req())
+        expired = Call(RequestIds("x", None), "client", _Expired().time_remaining())
         with pytest.raises(StatusError) as info:
-            servicer._submission(RequestIds("x", None), resolved, _Expired())  # type: ignore[arg-type]
+            pipeline._submission("x", resolved, 0, expired)
         assert info.value.status.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert fake.submits == []
 
@@ -275,7 +277,7 @@ async def test_slow_reader_is_aborted_alone(tok: TextTokenizer, buffer: int, wri
         expected = grpc.StatusCode.RESOURCE_EXHAUSTED if buffer == 8 else grpc.StatusCode.DEADLINE_EXCEEDED
         assert info.value.code() in (expected, grpc.StatusCode.DEADLINE_EXCEEDED)
         assert "reads too slowly" in (info.value.details() or "")
-        assert gateway.servicer.admission.in_flight == 0
+        assert gateway.pipeline.admission.in_flight == 0
 
 
 async def test_several_schedulers_sticky_prefix_and_failover(tok: TextTokenizer) -> None:

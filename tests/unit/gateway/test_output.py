@@ -25,7 +25,7 @@ def _event(ids: list[int], finish: int = 0, kind: int = 0, stop_id: int | None =
 
 
 def _run(tok: TextTokenizer, events: list[scheduler_pb2.TokenEvent]) -> tuple[str, str, int]:
-    processor = OutputProcessor(tok, tok.encode("Hello"), [])
+    processor = OutputProcessor(tok, tok.encode("Hello"), sampling_pb2.SamplingParams())
     text = ""
     for event in events:
         out = processor.process(event)
@@ -66,7 +66,7 @@ def test_eos_id_is_not_trimmed_unless_the_scheduler_says_so(tok: TextTokenizer) 
 
 def test_stop_string_ends_the_request_here(tok: TextTokenizer) -> None:
     ids = tok.encode(" The quick brown fox jumps")
-    processor = OutputProcessor(tok, tok.encode("Hello"), ["brown"])
+    processor = OutputProcessor(tok, tok.encode("Hello"), sampling_pb2.SamplingParams(stop=["brown"]))
     texts = []
     for i in ids:
         out = processor.process(_event([i]))
@@ -79,7 +79,7 @@ def test_stop_string_ends_the_request_here(tok: TextTokenizer) -> None:
 
 
 def test_usage_counts_cached_tokens(tok: TextTokenizer) -> None:
-    processor = OutputProcessor(tok, [1, 2, 3, 4], [])
+    processor = OutputProcessor(tok, [1, 2, 3, 4], sampling_pb2.SamplingParams())
     first = scheduler_pb2.TokenEvent(token_ids=[5], num_cached_tokens=2)
     assert not processor.process(first).final
     out = processor.process(_event([6], LENGTH, scheduler_pb2.STOP_KIND_LENGTH))

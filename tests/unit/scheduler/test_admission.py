@@ -28,9 +28,26 @@ def test_unset_max_tokens_is_the_room_left() -> None:
     assert req.arrival_time == 5.0 and req.deadline is None
 
 
-def test_max_tokens_is_capped_by_the_model_length() -> None:
+def test_max_tokens_within_the_model_length_is_kept() -> None:
     req = admit(submit(sampling=sampling_pb2.SamplingParams(max_tokens=10)), LIMITS)
     assert isinstance(req, Request) and req.max_tokens == 10
+
+
+def test_max_tokens_past_the_model_length_is_refused_naming_both_numbers() -> None:
+    # vLLM and OpenAI refuse it; clamping would end the answer early without saying why.
+    failure = admit(submit(sampling=sampling_pb2.SamplingParams(max_tokens=98)), ModelLimits(100, 50, 1000))
+    assert isinstance(failure, Failure) and failure.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert failure.field == "sampling.max_tokens"
+    assert "3 tokens" in failure.message and "98" in failure.message and "--max-model-len 100" in failure.message
+    assert isinstance(
+        admit(submit(sampling=sampling_pb2.SamplingParams(max_tokens=97)), ModelLimits(100, 50, 100)), Request
+    )
+
+
+def test_min_tokens_beyond_what_may_be_generated_is_refused() -> None:
+    failure = admit(submit(sampling=sampling_pb2.SamplingParams(min_tokens=78)), LIMITS)  # 77 fit the KV cache
+    assert isinstance(failure, Failure) and failure.field == "sampling.min_tokens"
+    assert isinstance(admit(submit(sampling=sampling_pb2.SamplingParams(min_tokens=77)), LIMITS), Request)
 
 
 def test_deadline_is_relative_to_arrival() -> None:

@@ -78,3 +78,11 @@ def test_waiting_queue_order_and_remove() -> None:
     assert q.num_tokens == 2
     assert q.take_all() == [a, b]
     assert len(q) == 0 and q.num_tokens == 0
+
+
+def test_min_tokens_holds_off_eos_and_stop_ids_but_not_the_length() -> None:
+    req = make(max_tokens=3, min_tokens=2, stop_token_ids=[7])
+    assert append(req, EOS) is None and append(req, 7) is None  # the first two may not stop
+    assert append(req, EOS) is RequestStatus.FINISHED_STOPPED
+    capped = make(max_tokens=2, min_tokens=2)
+    assert append(capped, 5) is None and append(capped, EOS) is RequestStatus.FINISHED_LENGTH
