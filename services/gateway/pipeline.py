@@ -23,6 +23,7 @@ from services.common.errors import StatusError, invalid_argument_status, make_st
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from services.common.request_context import bound_request_id
 from services.gateway.admission import Admission
+from services.gateway.api_keys import ApiKeys
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
 from services.gateway.request_ids import RequestIds
@@ -53,6 +54,8 @@ class Call:
     client: str
     # Seconds before the caller's deadline, or None without one.
     time_remaining: float | None = None
+    # The `authorization` metadata or header as sent (checked by ApiKeys; never logged).
+    authorization: str | None = None
 
 
 def invalid(err: ValidationError) -> StatusError:
@@ -84,6 +87,7 @@ class GenerationPipeline:
         *,
         defaults: SamplingDefaults | None = None,
         served_model_names: Sequence[str] = (),
+        api_keys: ApiKeys | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
@@ -91,6 +95,7 @@ class GenerationPipeline:
         self.metrics = metrics
         self.defaults = defaults or SamplingDefaults()
         self._served_names = tuple(served_model_names)
+        self.api_keys = api_keys or ApiKeys(())
         self.draining = False
         # Tokenization and chat templates run here, off the event loop (`tokenizers` releases the GIL).
         self._executor = executor
@@ -120,6 +125,15 @@ class GenerationPipeline:
                 )
             )
 
+    def authenticate(self, authorization: str | None) -> str | None:
+        """The caller's key id (None when keys are off), or UNAUTHENTICATED. Fronts call it before parsing
+        anything, so an unauthenticated caller learns nothing about the API from its errors."""
+        try:
+            return self.api_keys.check(authorization)
+        except StatusError:
+            self.metrics.requests_refused.labels(reason="unauthenticated").inc()
+            raise
+
     def refuse_if_draining(self) -> None:
         """UNAVAILABLE while the gateway drains (a front calls this before it parses anything)."""
         if self.draining:
@@ -134,6 +148,7 @@ class GenerationPipeline:
         Iterate it with contextlib.aclosing: closing it early aborts the samples still running.
         """
         self.refuse_if_draining()
+        self.authenticate(call.authorization)
         self.check_model(request.model)
         refusal = self.admission.try_acquire(call.client)
         if refusal is not None:

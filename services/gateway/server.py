@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import structlog
 
@@ -11,6 +12,7 @@ from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
 from services.common.sampling_checks import InvalidField, check_eos_token_ids
 from services.gateway.admission import Admission
+from services.gateway.api_keys import ApiKeys, read_key_file
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import GenerationPipeline
 from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
@@ -20,6 +22,17 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.tokenizer import TextTokenizer
 
 log = structlog.get_logger()
+
+
+def load_api_keys(settings: GatewaySettings) -> ApiKeys:
+    """--api-key values plus the keys of --api-key-file (a missing file is a startup error naming it)."""
+    keys = list(settings.api_key)
+    if settings.api_key_file:
+        try:
+            keys += read_key_file(Path(settings.api_key_file))
+        except OSError as err:
+            raise ValueError(f"--api-key-file {settings.api_key_file}: {err.strerror or err}") from err
+    return ApiKeys(keys)
 
 
 class Gateway:
@@ -69,6 +82,7 @@ class Gateway:
             metrics or GatewayMetrics(),
             defaults=defaults,
             served_model_names=settings.served_model_name,
+            api_keys=load_api_keys(settings),
         )
         self.servicer = GenerationServicer(self.pipeline, write_timeout=settings.stream_write_timeout)
         self.service.server.add_generic_rpc_handlers((self.servicer.handlers(),))

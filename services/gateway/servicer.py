@@ -65,6 +65,13 @@ class _Accumulated:
         )
 
 
+def _authorization(context: grpc.aio.ServicerContext) -> str | None:
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization" and isinstance(value, str):
+            return value
+    return None
+
+
 class GenerationServicer:
     """Handlers of meshserve.v1.Generation, registered with raw request bytes (see handlers())."""
 
@@ -112,13 +119,15 @@ class GenerationServicer:
         """Run one call to its end and return the request's public id; any StatusError becomes its status."""
         try:
             self.pipeline.refuse_if_draining()
+            authorization = _authorization(context)
+            self.pipeline.authenticate(authorization)
             try:
                 request = parse_generate_request(raw)
                 ids = request_ids(request, context)
             except ValidationError as err:
                 self.pipeline.metrics.requests_rejected.inc()
                 raise invalid(err) from err
-            call = Call(ids, client_key(context.peer()), context.time_remaining())
+            call = Call(ids, client_key(context.peer()), context.time_remaining(), authorization)
             async with contextlib.aclosing(self.pipeline.generate(request, call)) as responses:
                 async for response in responses:
                     await emit(response)

@@ -26,6 +26,11 @@ class GatewaySettings(ServiceSettings):
         description="names clients may give as the model (the first is listed in /v1/models); unset: the name "
         "the workers report",
     )
+    api_key: list[str] = Field(
+        default_factory=list,
+        description="API keys a caller must send as `authorization: Bearer <key>` (repeatable); unset: open",
+    )
+    api_key_file: str | None = Field(None, description="file of API keys, one per line (# comments)")
     generation_config: Literal["auto", "vllm"] = Field(
         "auto",
         description="sampling defaults: auto takes them from the model's generation_config.json, vllm ignores it",
