@@ -69,7 +69,9 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
         elif annotation in (int, float, str):
             kwargs["type"] = annotation
         elif typing.get_origin(annotation) is list:
-            kwargs["nargs"] = "*"
+            # `--api-key a --api-key b` and `--api-key a b` both give [a, b], as vLLM's list flags do.
+            kwargs["action"] = "extend"
+            kwargs["nargs"] = "+"
             kwargs["type"] = typing.get_args(annotation)[0]
         parser.add_argument(_flag(name), **kwargs)
 

@@ -72,3 +72,16 @@ def test_worker_settings_refuse_bad_combinations(argv: list[str], message: str) 
     with pytest.raises(ValidationError) as info:
         _parse(WorkerSettings, argv)
     assert message in str(info.value)
+
+
+def test_list_flags_repeat_and_take_several_values() -> None:
+    import argparse
+
+    from services.common.settings import add_settings_arguments, settings_from_args
+    from services.gateway.settings import GatewaySettings
+
+    parser = argparse.ArgumentParser()
+    add_settings_arguments(parser, GatewaySettings)
+    args = parser.parse_args(["--api-key", "a", "--api-key", "b", "c", "--served-model-name", "smol"])
+    settings = settings_from_args(GatewaySettings, args)
+    assert settings.api_key == ["a", "b", "c"] and settings.served_model_name == ["smol"]
