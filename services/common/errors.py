@@ -1,7 +1,12 @@
-"""Canonical gRPC errors with google.rpc details (BadRequest field violations, RetryInfo)."""
+"""Canonical gRPC errors with google.rpc details (BadRequest field violations, RetryInfo, ErrorInfo).
+
+Every status carries a google.rpc.ErrorInfo whose `reason` is a stable, documented constant (docs/api.md)
+that clients may branch on; the message is for people and may change.
+"""
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import NoReturn
 
 import grpc
@@ -14,6 +19,36 @@ from services.common.proto.meshserve.v1.scheduler_pb2 import RequestError
 
 _DETAILS_KEY = "grpc-status-details-bin"
 _STATUS_CODES = {code.value[0]: code for code in grpc.StatusCode}
+ERROR_DOMAIN = "meshserve.v1"
+
+
+class Reason(StrEnum):
+    """ErrorInfo reasons: stable names for why a call failed."""
+
+    INVALID_FIELD = "INVALID_FIELD"
+    UNAUTHENTICATED = "UNAUTHENTICATED"
+    MODEL_NOT_FOUND = "MODEL_NOT_FOUND"
+    DRAINING = "DRAINING"
+    NO_READY_WORKER = "NO_READY_WORKER"
+    TOO_MANY_REQUESTS = "TOO_MANY_REQUESTS"
+    RATE_LIMITED = "RATE_LIMITED"
+    QUEUE_FULL = "QUEUE_FULL"
+    CLIENT_TOO_SLOW = "CLIENT_TOO_SLOW"
+    DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
+    SCHEDULER_UNAVAILABLE = "SCHEDULER_UNAVAILABLE"
+    WORKER_FAILED = "WORKER_FAILED"
+    INTERNAL = "INTERNAL"
+
+
+# The reason of a status whose raiser named none: one per code.
+_DEFAULT_REASONS = {
+    grpc.StatusCode.INVALID_ARGUMENT: Reason.INVALID_FIELD,
+    grpc.StatusCode.UNAUTHENTICATED: Reason.UNAUTHENTICATED,
+    grpc.StatusCode.NOT_FOUND: Reason.MODEL_NOT_FOUND,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: Reason.QUEUE_FULL,
+    grpc.StatusCode.UNAVAILABLE: Reason.SCHEDULER_UNAVAILABLE,
+    grpc.StatusCode.DEADLINE_EXCEEDED: Reason.DEADLINE_EXCEEDED,
+}
 
 
 class StatusError(Exception):
@@ -24,10 +59,13 @@ class StatusError(Exception):
         self.status = status
 
 
-def make_status(code: grpc.StatusCode, message: str, *details: Message) -> grpc.Status:
-    """A status with google.rpc details packed into grpc-status-details-bin."""
+def make_status(code: grpc.StatusCode, message: str, *details: Message, reason: Reason | None = None) -> grpc.Status:
+    """A status with google.rpc details packed into grpc-status-details-bin, ErrorInfo always among them."""
     packed = []
-    for detail in details:
+    info = error_details_pb2.ErrorInfo(
+        reason=reason or _DEFAULT_REASONS.get(code, Reason.INTERNAL), domain=ERROR_DOMAIN
+    )
+    for detail in (*details, info):
         any_detail = any_pb2.Any()
         any_detail.Pack(detail)
         packed.append(any_detail)
@@ -44,13 +82,15 @@ def invalid_argument_status(field: str, description: str) -> grpc.Status:
     )
 
 
-def retry_status(code: grpc.StatusCode, message: str, retry_after_seconds: float) -> grpc.Status:
+def retry_status(
+    code: grpc.StatusCode, message: str, retry_after_seconds: float, reason: Reason | None = None
+) -> grpc.Status:
     """A status advising when to retry (google.rpc.RetryInfo); no advice when retry_after_seconds <= 0."""
     if retry_after_seconds <= 0:
-        return make_status(code, message)
+        return make_status(code, message, reason=reason)
     delay = duration_pb2.Duration()
     delay.FromNanoseconds(round(retry_after_seconds * 1e9))
-    return make_status(code, message, error_details_pb2.RetryInfo(retry_delay=delay))
+    return make_status(code, message, error_details_pb2.RetryInfo(retry_delay=delay), reason=reason)
 
 
 def request_error_status(error: RequestError) -> grpc.Status:
@@ -58,7 +98,8 @@ def request_error_status(error: RequestError) -> grpc.Status:
     if error.field:
         return invalid_argument_status(error.field, error.description)
     code = _STATUS_CODES.get(error.code, grpc.StatusCode.UNKNOWN)
-    return retry_status(code, error.message, error.retry_after_seconds)
+    reason = Reason(error.reason) if error.reason in Reason.__members__ else None
+    return retry_status(code, error.message, error.retry_after_seconds, reason)
 
 
 async def abort_invalid_argument(context: grpc.aio.ServicerContext, field: str, description: str) -> NoReturn:
@@ -89,6 +130,15 @@ def field_violations(error: grpc.aio.AioRpcError) -> list[tuple[str, str]]:
         if detail.Unpack(bad):
             out.extend((v.field, v.description) for v in bad.field_violations)
     return out
+
+
+def error_reason(error: grpc.aio.AioRpcError) -> str | None:
+    """The ErrorInfo reason of a received error, or None without one."""
+    for detail in _details(error):
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return None
 
 
 def retry_delay(error: grpc.aio.AioRpcError) -> float | None:

@@ -19,7 +19,14 @@ from dataclasses import dataclass
 import grpc
 import structlog
 
-from services.common.errors import StatusError, invalid_argument_status, make_status, request_error_status, retry_status
+from services.common.errors import (
+    Reason,
+    StatusError,
+    invalid_argument_status,
+    make_status,
+    request_error_status,
+    retry_status,
+)
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from services.common.request_context import bound_request_id
 from services.gateway.admission import Admission
@@ -121,7 +128,9 @@ class GenerationPipeline:
             served = ", ".join(repr(n) for n in names) or "none yet (no worker attached)"
             raise StatusError(
                 make_status(
-                    grpc.StatusCode.NOT_FOUND, f"the model {model[:128]!r} does not exist; this server serves {served}"
+                    grpc.StatusCode.NOT_FOUND,
+                    f"the model {model[:128]!r} does not exist; this server serves {served}",
+                    reason=Reason.MODEL_NOT_FOUND,
                 )
             )
 
@@ -138,7 +147,11 @@ class GenerationPipeline:
         """UNAVAILABLE while the gateway drains (a front calls this before it parses anything)."""
         if self.draining:
             self.metrics.requests_refused.labels(reason="draining").inc()
-            raise StatusError(make_status(grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another replica"))
+            raise StatusError(
+                make_status(
+                    grpc.StatusCode.UNAVAILABLE, "gateway is draining; retry on another replica", reason=Reason.DRAINING
+                )
+            )
 
     async def generate(
         self, request: generation_pb2.GenerateRequest, call: Call
@@ -153,7 +166,11 @@ class GenerationPipeline:
         refusal = self.admission.try_acquire(call.client)
         if refusal is not None:
             self.metrics.requests_refused.labels(reason="concurrency").inc()
-            raise StatusError(retry_status(grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after))
+            raise StatusError(
+                retry_status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after, Reason.TOO_MANY_REQUESTS
+                )
+            )
         try:
             client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
             with bound_request_id(call.ids.internal, **client_id):
@@ -166,7 +183,11 @@ class GenerationPipeline:
         model = self.pool.limits()
         if model is None:
             self.metrics.requests_refused.labels(reason="no_scheduler").inc()
-            raise StatusError(retry_status(grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after))
+            raise StatusError(
+                retry_status(
+                    grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after, Reason.NO_READY_WORKER
+                )
+            )
         return Limits(model.max_model_len, model.vocab_size, self.tokenizer.max_token_bytes)
 
     async def resolve(self, request: generation_pb2.GenerateRequest) -> ResolvedRequest:
@@ -188,7 +209,11 @@ class GenerationPipeline:
         backend = self.pool.pick(prompt_token_ids)
         if backend is None:
             self.metrics.requests_refused.labels(reason="no_scheduler").inc()
-            raise StatusError(retry_status(grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after))
+            raise StatusError(
+                retry_status(
+                    grpc.StatusCode.UNAVAILABLE, NO_SCHEDULER, self.admission.retry_after, Reason.NO_READY_WORKER
+                )
+            )
         return backend
 
     def _submission(

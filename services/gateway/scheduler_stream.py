@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
+from services.common.errors import Reason
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -28,10 +29,12 @@ def is_final(event: scheduler_pb2.RequestEvent) -> bool:
 
 
 def error_event(
-    request_id: str, code: grpc.StatusCode, message: str, field: str = "", description: str = ""
+    request_id: str, code: grpc.StatusCode, message: str, field: str = "", description: str = "", reason: str = ""
 ) -> scheduler_pb2.RequestEvent:
     """A final event failing one request, in the scheduler's own form."""
-    error = scheduler_pb2.RequestError(code=code.value[0], message=message, field=field, description=description)
+    error = scheduler_pb2.RequestError(
+        code=code.value[0], message=message, field=field, description=description, reason=reason
+    )
     return scheduler_pb2.RequestEvent(request_id=request_id, error=error)
 
 
@@ -208,6 +211,7 @@ class SchedulerStream:
                 grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"the client reads too slowly: over {events.limit} tokens were waiting to be sent; "
                 "read the stream as it arrives",
+                reason=Reason.CLIENT_TOO_SLOW,
             )
         )
 

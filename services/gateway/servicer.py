@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from services.common.errors import StatusError, make_status
+from services.common.errors import Reason, StatusError, make_status
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
 from services.gateway.admission import client_key
 from services.gateway.pipeline import Call, GenerationPipeline, invalid
@@ -105,6 +105,7 @@ class GenerationServicer:
                         grpc.StatusCode.DEADLINE_EXCEEDED,
                         f"the client reads too slowly: a response waited {self._write_timeout:g}s to be sent "
                         "(--stream-write-timeout); read the stream as it arrives",
+                        reason=Reason.CLIENT_TOO_SLOW,
                     )
                 ) from None
 

@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
+from services.common.errors import Reason
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
 from services.common.sampling_checks import InvalidField
 from services.scheduler.admission import ModelLimits, admit
@@ -196,7 +197,12 @@ class Cluster:
             )
         limits = self.limits()
         if limits is None:
-            return Failure(grpc.StatusCode.UNAVAILABLE, "no worker is ready to serve; retry later", retry_after=retry)
+            return Failure(
+                grpc.StatusCode.UNAVAILABLE,
+                "no worker is ready to serve; retry later",
+                retry_after=retry,
+                reason=Reason.NO_READY_WORKER,
+            )
         if submit.request_id in self.submissions:
             return Failure(grpc.StatusCode.ALREADY_EXISTS, f"request_id {submit.request_id!r} is already running")
         waiting = self.num_waiting()

@@ -6,6 +6,7 @@ import time
 
 import grpc
 
+from services.common.errors import Reason
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.submissions import Failure, Submission
@@ -27,7 +28,9 @@ class OutputProcessor:
                 continue
             if out.error is not None:
                 sub.finished = True
-                sub.send(Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}"))
+                sub.send(
+                    Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}", reason=Reason.WORKER_FAILED)
+                )
                 continue
             sub.send(self._event(sub, out, now))
 

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import grpc
 
-from services.common.errors import abort_invalid_argument
+from services.common.errors import Reason, abort_invalid_argument
 from services.common.proto.meshserve.v1 import (
     sampling_pb2,
     scheduler_pb2,
@@ -49,7 +49,11 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if events.qsize() >= SUBMIT_BUFFER_EVENTS and not isinstance(item, Failure):
                 self.cluster.fail(
                     request_id,
-                    Failure(grpc.StatusCode.RESOURCE_EXHAUSTED, "the caller is not reading its stream; aborted"),
+                    Failure(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        "the caller is not reading its stream; aborted",
+                        reason=Reason.CLIENT_TOO_SLOW,
+                    ),
                 )
                 return
             events.put_nowait(item)

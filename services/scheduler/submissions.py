@@ -25,6 +25,8 @@ class Failure:
     description: str = ""
     # For RESOURCE_EXHAUSTED / UNAVAILABLE: when to retry (the caller's google.rpc.RetryInfo).
     retry_after: float = 0.0
+    # The ErrorInfo reason (errors.Reason); empty: the default of the code.
+    reason: str = ""
 
     @classmethod
     def invalid(cls, err: InvalidField) -> Failure:
@@ -41,6 +43,7 @@ class Failure:
             field=self.field,
             description=self.description,
             retry_after_seconds=self.retry_after,
+            reason=self.reason,
         )
 
 

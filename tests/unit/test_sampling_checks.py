@@ -99,7 +99,10 @@ def test_retry_info_carried_and_omitted() -> None:
     info = error_details_pb2.RetryInfo()
     assert _details(status).details[0].Unpack(info)
     assert info.retry_delay.ToNanoseconds() == 1_250_000_000
-    assert not _details(retry_status(grpc.StatusCode.UNAVAILABLE, "gone", 0)).details
+    # Without advice only the ErrorInfo remains, with the code's default reason.
+    (only,) = _details(retry_status(grpc.StatusCode.UNAVAILABLE, "gone", 0)).details
+    reason = error_details_pb2.ErrorInfo()
+    assert only.Unpack(reason) and reason.reason == "SCHEDULER_UNAVAILABLE" and reason.domain == "meshserve.v1"
 
 
 def test_request_error_status() -> None:
@@ -115,3 +118,6 @@ def test_request_error_status() -> None:
     assert request_error_status(scheduler_pb2.RequestError(code=4, message="late")).code == (
         grpc.StatusCode.DEADLINE_EXCEEDED
     )
+    slow = request_error_status(scheduler_pb2.RequestError(code=8, message="slow", reason="CLIENT_TOO_SLOW"))
+    info = error_details_pb2.ErrorInfo()
+    assert _details(slow).details[-1].Unpack(info) and info.reason == "CLIENT_TOO_SLOW"

@@ -208,6 +208,7 @@ class RequestError(_message.Message):
     FIELD_FIELD_NUMBER: _builtins.int
     DESCRIPTION_FIELD_NUMBER: _builtins.int
     RETRY_AFTER_SECONDS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
     code: _builtins.int
     """The canonical gRPC status code (google.rpc.Code), e.g. 3 INVALID_ARGUMENT,
     6 ALREADY_EXISTS, 8 RESOURCE_EXHAUSTED, 13 INTERNAL, 14 UNAVAILABLE.
@@ -224,6 +225,10 @@ class RequestError(_message.Message):
     """For RESOURCE_EXHAUSTED and UNAVAILABLE: seconds the caller should wait
     before retrying (passed on as google.rpc.RetryInfo); 0 gives no advice.
     """
+    reason: _builtins.str
+    """Stable google.rpc.ErrorInfo reason (see docs/api.md), e.g. QUEUE_FULL,
+    WORKER_FAILED, CLIENT_TOO_SLOW; empty: the caller picks one by code.
+    """
     def __init__(
         self,
         *,
@@ -232,10 +237,11 @@ class RequestError(_message.Message):
         field: _builtins.str = ...,
         description: _builtins.str = ...,
         retry_after_seconds: _builtins.float = ...,
+        reason: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "description", b"description", "field", b"field", "message", b"message", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "description", b"description", "field", b"field", "message", b"message", "reason", b"reason", "retry_after_seconds", b"retry_after_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
