@@ -21,6 +21,9 @@ MAX_TOP_LOGPROBS = 20
 MAX_LOGIT_BIAS = 100.0
 MAX_OPENAI_PENALTY = 2.0
 MAX_REPETITION_PENALTY = 10.0
+# The whole Grammar message, checked by every hop before anything reads it; grammar_check.py (the gateway)
+# holds the per-kind caps (64 KiB of schema, regex or EBNF; 256 choices of at most 1024 characters).
+MAX_GRAMMAR_MESSAGE_BYTES = 128 * 1024
 
 
 class InvalidField(ValueError):
@@ -96,6 +99,12 @@ def _check_extras(params: sampling_pb2.SamplingParams, vocab_size: int | None) -
             raise InvalidField(
                 "sampling.min_tokens",
                 f"min_tokens ({params.min_tokens}) must not exceed max_tokens ({params.max_tokens})",
+            )
+    if params.HasField("grammar"):
+        size = params.grammar.ByteSize()
+        if size > MAX_GRAMMAR_MESSAGE_BYTES:
+            raise InvalidField(
+                "sampling.grammar", f"is {size} bytes; a grammar may be at most {MAX_GRAMMAR_MESSAGE_BYTES}, shorten it"
             )
     bias = params.logit_bias
     check_count(len(bias), MAX_LOGIT_BIAS_ENTRIES, "sampling.logit_bias", "logit_bias entries")
