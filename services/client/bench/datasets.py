@@ -7,6 +7,7 @@ datasets (random, shared-prefix, JSONL) are lists of requests; `single_turns` ma
 from __future__ import annotations
 
 import json
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,24 @@ def _draw(rng: random.Random, bounds: tuple[int, int]) -> int:
 
 def _tokens(rng: random.Random, n: int, vocab_size: int) -> list[int]:
     return [rng.randrange(FIRST_ORDINARY_ID, vocab_size) for _ in range(n)]
+
+
+# Products such as 100 * 1.1 land a hair off the integer; bounds within this of one are that integer.
+_RATIO_EPS = 1e-9
+
+
+def ratio_range(length: int, ratio: float) -> tuple[int, int]:
+    """vLLM's --random-range-ratio: the inclusive bounds [floor(len*(1-r)), ceil(len*(1+r))], low at least 1.
+
+    ratio lies in [0, 1); 0 gives (length, length).
+    """
+    if length < 1:
+        raise ValueError(f"length must be >= 1, got {length}")
+    if not 0 <= ratio < 1:
+        raise ValueError(f"range ratio must lie in [0, 1), got {ratio}")
+    lo = math.floor(length * (1 - ratio) + _RATIO_EPS)
+    hi = math.ceil(length * (1 + ratio) - _RATIO_EPS)
+    return max(lo, 1), hi
 
 
 def random_dataset(

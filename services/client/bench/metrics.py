@@ -11,6 +11,10 @@ from typing import Any
 from services.client.bench.records import RequestRecord
 
 SLO_METRICS = ("ttft", "tpot", "itl", "e2el")
+# What --percentile-metrics may name (vLLM's names); the table shows all four unless told otherwise.
+PERCENTILE_METRICS = SLO_METRICS
+# --metric-percentiles: vLLM's default, p99.
+DEFAULT_PERCENTILES: tuple[float, ...] = (99.0,)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -24,6 +28,16 @@ def percentile(values: Sequence[float], q: float) -> float:
     lo = math.floor(pos)
     hi = min(lo + 1, len(ordered) - 1)
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def percentile_label(q: float) -> str:
+    """q as vLLM writes it in a key or a row: 99 -> "99", 99.9 -> "99.9"."""
+    return str(int(q)) if int(q) == q else str(q)
+
+
+def percentile_key(metric: str, q: float) -> str:
+    """The saved-JSON key of one percentile of one metric, as vLLM names it: p90_ttft_ms."""
+    return f"p{percentile_label(q)}_{metric}_ms"
 
 
 @dataclass(frozen=True)
@@ -82,13 +96,28 @@ class BenchSummary:
     burstiness: float = 1.0
     # Error text -> how many failed requests ended with it.
     errors: dict[str, int] = field(default_factory=dict)
+    # --percentile-metrics and --metric-percentiles: what the table shows beyond mean and median.
+    percentile_metrics: tuple[str, ...] = PERCENTILE_METRICS
+    metric_percentiles: tuple[float, ...] = DEFAULT_PERCENTILES
+    # percentile_key(metric, q) -> ms, for every chosen metric and percentile.
+    percentiles_ms: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-safe dict (an infinite request rate becomes the string "inf", as in vLLM)."""
+        """JSON-safe dict (an infinite request rate becomes the string "inf", as in vLLM).
+
+        The chosen percentiles appear as vLLM's top-level keys (p90_ttft_ms, ...), not as a nested dict.
+        """
         data = asdict(self)
         if math.isinf(self.request_rate):
             data["request_rate"] = "inf"
+        data["percentile_metrics"] = list(self.percentile_metrics)
+        data["metric_percentiles"] = list(self.metric_percentiles)
+        data.update(data.pop("percentiles_ms"))
         return data
+
+    def percentile_ms(self, metric: str, q: float) -> float:
+        """One chosen percentile of one chosen metric (KeyError for one that was not chosen)."""
+        return self.percentiles_ms[percentile_key(metric, q)]
 
 
 def _meets_slos(record: RequestRecord, slos_ms: Mapping[str, float]) -> bool:
@@ -111,27 +140,44 @@ def summarize(
     max_concurrency: int | None = None,
     request_rate: float = math.inf,
     burstiness: float = 1.0,
+    percentile_metrics: Sequence[str] = PERCENTILE_METRICS,
+    metric_percentiles: Sequence[float] = DEFAULT_PERCENTILES,
 ) -> BenchSummary:
     """Aggregate records; failed requests (and successes without a token) are left out of every latency.
 
     goodput_slos maps ttft/tpot/itl/e2el to a limit in ms (itl: the request's largest gap).
+    percentile_metrics and metric_percentiles choose the extra percentiles (vLLM's flags of those names);
+    mean, median and p99 of every metric are there whatever they say.
     """
     for name in goodput_slos or {}:
         if name not in SLO_METRICS:
             raise ValueError(f"unknown goodput metric {name!r}; expected one of {', '.join(SLO_METRICS)}")
+    for name in percentile_metrics:
+        if name not in PERCENTILE_METRICS:
+            raise ValueError(f"unknown percentile metric {name!r}; expected one of {', '.join(PERCENTILE_METRICS)}")
+    for q in metric_percentiles:
+        if not 0 <= q <= 100:
+            raise ValueError(f"percentile must lie in [0, 100], got {q}")
     if duration_s <= 0 and records:
         raise ValueError(f"duration must be > 0, got {duration_s}")
     done = [r for r in records if r.success and r.num_output_tokens > 0]
     errors = Counter(r.error or "no output tokens received" for r in records if not (r.success and r.num_output_tokens))
     input_tokens = sum(r.prompt_len for r in done)
     output_tokens = sum(r.num_output_tokens for r in done)
-    stats = {
-        "ttft": LatencyStats.of_seconds([r.ttft for r in done]),
+    samples = {
+        "ttft": [r.ttft for r in done],
         # TPOT excludes the first token, so single-token requests have none.
-        "tpot": LatencyStats.of_seconds([t for r in done if (t := r.tpot) is not None]),
+        "tpot": [t for r in done if (t := r.tpot) is not None],
         # ITL is pooled over every gap of every request, not averaged per request.
-        "itl": LatencyStats.of_seconds([gap for r in done for gap in r.itls]),
-        "e2el": LatencyStats.of_seconds([r.e2e for r in done]),
+        "itl": [gap for r in done for gap in r.itls],
+        "e2el": [r.e2e for r in done],
+    }
+    stats = {name: LatencyStats.of_seconds(values) for name, values in samples.items()}
+    # 0 without samples, like vLLM (and like LatencyStats).
+    chosen = {
+        percentile_key(name, q): percentile([v * 1000.0 for v in samples[name]], q) if samples[name] else 0.0
+        for name in dict.fromkeys(percentile_metrics)
+        for q in dict.fromkeys(metric_percentiles)
     }
     goodput = None
     if goodput_slos:
@@ -172,6 +218,9 @@ def summarize(
         request_rate=request_rate,
         burstiness=burstiness,
         errors=dict(errors),
+        percentile_metrics=tuple(dict.fromkeys(percentile_metrics)),
+        metric_percentiles=tuple(dict.fromkeys(float(q) for q in metric_percentiles)),
+        percentiles_ms=chosen,
     )
 
 

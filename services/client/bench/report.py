@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from services.client.bench.metrics import BenchSummary
+from services.client.bench.metrics import BenchSummary, percentile_key, percentile_label
 from services.client.bench.records import RequestRecord
 
 if TYPE_CHECKING:
@@ -56,12 +56,25 @@ def format_summary(summary: BenchSummary) -> str:
         _row("Output token throughput (tok/s):", f"{s.output_throughput:.2f}"),
         _row("Total token throughput (tok/s):", f"{s.total_token_throughput:.2f}"),
     ]
+    # The metrics of --percentile-metrics, each with its mean, median and the --metric-percentiles, as vLLM.
     for key, short, title in _SECTIONS:
+        if key not in s.percentile_metrics:
+            continue
         lines.append(title.center(WIDTH, "-"))
-        for kind, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
-            lines.append(_row(f"{label} {short} (ms):", f"{getattr(s, f'{kind}_{key}_ms'):.2f}"))
+        lines.append(_row(f"Mean {short} (ms):", f"{getattr(s, f'mean_{key}_ms'):.2f}"))
+        lines.append(_row(f"Median {short} (ms):", f"{getattr(s, f'median_{key}_ms'):.2f}"))
+        for q in s.metric_percentiles:
+            lines.append(_row(f"P{percentile_label(q)} {short} (ms):", f"{_percentile_ms(s, key, q):.2f}"))
     lines.append("=" * WIDTH)
     return "\n".join(lines)
+
+
+def _percentile_ms(summary: BenchSummary, metric: str, q: float) -> float:
+    # A summary built by hand may lack the chosen percentiles; p99 is always a field of its own.
+    value = summary.percentiles_ms.get(percentile_key(metric, q))
+    if value is None:
+        return float(getattr(summary, f"p99_{metric}_ms")) if q == 99 else math.nan
+    return value
 
 
 def print_summary(summary: BenchSummary, file: TextIO | None = None) -> None:

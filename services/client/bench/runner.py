@@ -1,4 +1,9 @@
-"""Send a workload to a meshserve gateway at a given arrival rate and record every token's arrival."""
+"""Send a workload to a server at a given arrival rate and record every token's arrival.
+
+The schedule (arrivals, the concurrency limit, the turn order of conversations, warm-ups) is the same for
+every served backend: `drive` and `warm_up` take a `Send`, one request to one server. This module's Send is
+the meshserve gateway's gRPC Generation API; openai_backend has one for OpenAI-compatible HTTP servers.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,9 @@ import itertools
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
+from functools import partial
 
 import grpc
 from tqdm import tqdm
@@ -21,6 +28,9 @@ from services.common.proto.meshserve.v1 import generation_pb2_grpc, sampling_pb2
 
 # Warm-ups only have to touch every code path once; a couple of decode steps do that.
 WARMUP_OUTPUT_LEN = 2
+
+# One request: (request, tokens to generate, request id) -> its record; errors end up in the record, never raised.
+Send = Callable[[BenchRequest, int, str], Awaitable[RequestRecord]]
 
 
 class WarmupError(RuntimeError):
@@ -69,6 +79,14 @@ async def _send(
     return record
 
 
+@asynccontextmanager
+async def grpc_sender(address: str, *, ignore_eos: bool = True, temperature: float = 0.0) -> AsyncIterator[Send]:
+    """A Send over one channel to the gateway at address, open for the block."""
+    async with insecure_channel(address) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        yield partial(_send, stub, ignore_eos=ignore_eos, temperature=temperature)
+
+
 async def run_benchmark(
     address: str,
     requests: Sequence[BenchRequest],
@@ -108,40 +126,85 @@ def _check_limits(max_concurrency: int | None, num_warmups: int) -> None:
         raise ValueError(f"num_warmups must be >= 0, got {num_warmups}")
 
 
-def _slots(max_concurrency: int | None, num_conversations: int, num_warmups: int) -> asyncio.Semaphore:
+def connections_needed(max_concurrency: int | None, num_conversations: int, num_warmups: int = 0) -> int:
+    """Requests in flight at most under warm_up and drive: the size a connection pool needs."""
     # Without a limit every conversation (and every warm-up) gets a slot at once.
-    return asyncio.Semaphore(max_concurrency or max(num_conversations, num_warmups, 1))
+    return max_concurrency or max(num_conversations, num_warmups, 1)
 
 
-async def _warm_up(
-    stub: generation_pb2_grpc.GenerationStub,
+def _slots(max_concurrency: int | None, num_conversations: int, num_warmups: int) -> asyncio.Semaphore:
+    return asyncio.Semaphore(connections_needed(max_concurrency, num_conversations, num_warmups))
+
+
+async def warm_up(
+    send: Send,
     conversations: Sequence[Sequence[BenchRequest]],
     num_warmups: int,
-    slots: asyncio.Semaphore,
     *,
-    ignore_eos: bool,
-    temperature: float,
+    max_concurrency: int | None = None,
 ) -> None:
     """Warm-up i resends conversation i's first turn (cycling) for a couple of tokens; WarmupError if one fails."""
+    _check_limits(max_concurrency, num_warmups)
     firsts = [c[0] for c in conversations if c]
     if not num_warmups or not firsts:
         return
+    slots = _slots(max_concurrency, len(conversations), num_warmups)
 
     async def one(i: int) -> RequestRecord:
         request = firsts[i % len(firsts)]
         async with slots:
-            return await _send(
-                stub,
-                request,
-                min(request.output_len, WARMUP_OUTPUT_LEN),
-                f"bench-warmup-{i}",
-                ignore_eos=ignore_eos,
-                temperature=temperature,
-            )
+            return await send(request, min(request.output_len, WARMUP_OUTPUT_LEN), f"bench-warmup-{i}")
 
     results = await asyncio.gather(*(one(i) for i in range(num_warmups)))
     if failed := [r for r in results if not r.success]:
         raise WarmupError(f"{len(failed)}/{len(results)} warm-up requests failed: {failed[0].error}")
+
+
+async def drive(
+    send: Send,
+    conversations: Sequence[Sequence[BenchRequest]],
+    *,
+    request_rate: float = math.inf,
+    burstiness: float = 1.0,
+    max_concurrency: int | None = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> tuple[list[RequestRecord], float]:
+    """Run conversations through send; returns one record per turn, conversation by conversation.
+
+    Conversation i starts at its gamma arrival time (request_rate counts conversations), then waits for one
+    of max_concurrency slots and keeps it until its last turn has finished: like a chat user, it sends turn
+    k+1 only once turn k's stream has ended. Each turn's clock starts when it is sent. Request ids number the
+    turns in record order (bench-0, bench-1, ...).
+    """
+    _check_limits(max_concurrency, 0)
+    offsets = send_offsets(inter_arrival_times(len(conversations), request_rate, burstiness, seed))
+    # Flat index of each conversation's first turn, so request ids follow the record order.
+    first_ids = list(itertools.accumulate((len(c) for c in conversations), initial=0))
+    num_requests = first_ids.pop()
+    slots = _slots(max_concurrency, len(conversations), 0)
+    show = progress and sys.stderr.isatty()
+    bar = tqdm(total=num_requests, desc="bench", unit="req", disable=not show)
+
+    async def converse(turns: Sequence[BenchRequest], first_id: int) -> list[RequestRecord]:
+        records: list[RequestRecord] = []
+        async with slots:
+            for k, turn in enumerate(turns):
+                # Awaiting each turn before the next is the closed loop: no turn overtakes its predecessor.
+                records.append(await send(turn, turn.output_len, f"bench-{first_id + k}"))
+                bar.update(1)
+        return records
+
+    tasks: list[asyncio.Task[list[RequestRecord]]] = []
+    start = time.perf_counter()
+    for conversation, first_id, offset in zip(conversations, first_ids, offsets, strict=True):
+        # Sleep to an absolute target so that scheduling delays do not accumulate into the rate.
+        await _sleep_until(start + offset)
+        tasks.append(asyncio.create_task(converse(conversation, first_id)))
+    per_conversation = await asyncio.gather(*tasks)
+    duration = time.perf_counter() - start
+    bar.close()
+    return [record for records in per_conversation for record in records], duration
 
 
 async def run_warmups(
@@ -155,10 +218,8 @@ async def run_warmups(
 ) -> None:
     """Only the warm-ups of run_conversations, for callers that read server counters between them and the run."""
     _check_limits(max_concurrency, num_warmups)
-    async with insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        slots = _slots(max_concurrency, len(conversations), num_warmups)
-        await _warm_up(stub, conversations, num_warmups, slots, ignore_eos=ignore_eos, temperature=temperature)
+    async with grpc_sender(address, ignore_eos=ignore_eos, temperature=temperature) as send:
+        await warm_up(send, conversations, num_warmups, max_concurrency=max_concurrency)
 
 
 async def run_conversations(
@@ -174,50 +235,18 @@ async def run_conversations(
     ignore_eos: bool = True,
     temperature: float = 0.0,
 ) -> tuple[list[RequestRecord], float]:
-    """Run conversations against the gateway; returns one record per turn, conversation by conversation.
-
-    Conversation i starts at its gamma arrival time (request_rate counts conversations), then waits for one
-    of max_concurrency slots and keeps it until its last turn has finished: like a chat user, it sends turn
-    k+1 only once turn k's stream has ended. Each turn's clock starts when it is sent. Request ids number the
-    turns in record order (bench-0, bench-1, ...).
-    """
+    """Run conversations against the gateway at address: warm-ups first, then `drive`'s schedule."""
     _check_limits(max_concurrency, num_warmups)
-    offsets = send_offsets(inter_arrival_times(len(conversations), request_rate, burstiness, seed))
-    # Flat index of each conversation's first turn, so request ids follow the record order.
-    first_ids = list(itertools.accumulate((len(c) for c in conversations), initial=0))
-    num_requests = first_ids.pop()
-    slots = _slots(max_concurrency, len(conversations), num_warmups)
-    show = progress and sys.stderr.isatty()
-
-    async with insecure_channel(address) as channel:
-        stub = generation_pb2_grpc.GenerationStub(channel)
-        await _warm_up(stub, conversations, num_warmups, slots, ignore_eos=ignore_eos, temperature=temperature)
-        bar = tqdm(total=num_requests, desc="bench", unit="req", disable=not show)
-
-        async def converse(turns: Sequence[BenchRequest], first_id: int) -> list[RequestRecord]:
-            records: list[RequestRecord] = []
-            async with slots:
-                for k, turn in enumerate(turns):
-                    # Awaiting each turn before the next is the closed loop: no turn overtakes its predecessor.
-                    record = await _send(
-                        stub,
-                        turn,
-                        turn.output_len,
-                        f"bench-{first_id + k}",
-                        ignore_eos=ignore_eos,
-                        temperature=temperature,
-                    )
-                    records.append(record)
-                    bar.update(1)
-            return records
-
-        tasks: list[asyncio.Task[list[RequestRecord]]] = []
-        start = time.perf_counter()
-        for conversation, first_id, offset in zip(conversations, first_ids, offsets, strict=True):
-            # Sleep to an absolute target so that scheduling delays do not accumulate into the rate.
-            await _sleep_until(start + offset)
-            tasks.append(asyncio.create_task(converse(conversation, first_id)))
-        per_conversation = await asyncio.gather(*tasks)
-        duration = time.perf_counter() - start
-        bar.close()
-    return [record for records in per_conversation for record in records], duration
+    # Fail on bad arguments before a channel opens.
+    inter_arrival_times(0, request_rate, burstiness, seed)
+    async with grpc_sender(address, ignore_eos=ignore_eos, temperature=temperature) as send:
+        await warm_up(send, conversations, num_warmups, max_concurrency=max_concurrency)
+        return await drive(
+            send,
+            conversations,
+            request_rate=request_rate,
+            burstiness=burstiness,
+            max_concurrency=max_concurrency,
+            seed=seed,
+            progress=progress,
+        )
