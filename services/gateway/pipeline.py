@@ -27,12 +27,14 @@ from services.common.errors import (
     request_error_status,
     retry_status,
 )
+from services.common.grammar_check import check_grammar, is_constrained
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from services.common.request_context import bound_request_id
 from services.gateway.admission import Admission
 from services.gateway.api_keys import ApiKeys
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.output import OutputProcessor
+from services.gateway.rate_limit import Decision, RateLimiter
 from services.gateway.request_ids import RequestIds
 from services.gateway.sampling_defaults import SamplingDefaults
 from services.gateway.scheduler_pool import SchedulerBackend, SchedulerPool
@@ -95,6 +97,7 @@ class GenerationPipeline:
         defaults: SamplingDefaults | None = None,
         served_model_names: Sequence[str] = (),
         api_keys: ApiKeys | None = None,
+        rate_limiter: RateLimiter | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
@@ -103,6 +106,7 @@ class GenerationPipeline:
         self.defaults = defaults or SamplingDefaults()
         self._served_names = tuple(served_model_names)
         self.api_keys = api_keys or ApiKeys(())
+        self.rate_limiter = rate_limiter
         self.draining = False
         # Tokenization and chat templates run here, off the event loop (`tokenizers` releases the GIL).
         self._executor = executor
@@ -161,7 +165,7 @@ class GenerationPipeline:
         Iterate it with contextlib.aclosing: closing it early aborts the samples still running.
         """
         self.refuse_if_draining()
-        self.authenticate(call.authorization)
+        caller = self.authenticate(call.authorization) or call.client
         self.check_model(request.model)
         refusal = self.admission.try_acquire(call.client)
         if refusal is not None:
@@ -174,7 +178,7 @@ class GenerationPipeline:
         try:
             client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
             with bound_request_id(call.ids.internal, **client_id):
-                async for response in self._run(request, call):
+                async for response in self._run(request, call, caller):
                     yield response
         finally:
             self.admission.release(call.client)
@@ -195,10 +199,13 @@ class GenerationPipeline:
         limits = self._limits()
         try:
             checked = check_input(request, limits)
+            loop = asyncio.get_running_loop()
+            if is_constrained(request.sampling):
+                # Compiling-to-validate grows with the grammar (up to ~10 ms for a 64 KiB schema): a thread's job.
+                await loop.run_in_executor(self._executor, check_grammar, request.sampling.grammar)
             if checked.token_ids is not None:
                 prompt_ids = checked.token_ids
             else:
-                loop = asyncio.get_running_loop()
                 prompt_ids = await loop.run_in_executor(self._executor, encode_input, checked, self.tokenizer)
             return finish(request, checked, prompt_ids, limits, self.defaults)
         except ValidationError as err:
@@ -240,11 +247,34 @@ class GenerationPipeline:
             submit.timeout_seconds = call.time_remaining
         return submit
 
+    async def _rate_limit(self, caller: str, resolved: ResolvedRequest) -> Decision | None:
+        """Charge the caller's rate limits (RESOURCE_EXHAUSTED with RetryInfo when over); None without limits."""
+        if self.rate_limiter is None:
+            return None
+        # Unset max_tokens reserves what the model length leaves; the limiter caps a reservation at one
+        # minute's budget and record() settles the difference once the request ends.
+        max_new = resolved.sampling.max_tokens if resolved.sampling.HasField("max_tokens") else self._room(resolved)
+        decision = await self.rate_limiter.admit(caller, len(resolved.prompt_token_ids), resolved.n * max_new)
+        if not decision.allowed:
+            self.metrics.requests_refused.labels(reason="rate_limit").inc()
+            raise StatusError(
+                retry_status(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED, decision.message, decision.retry_after, Reason.RATE_LIMITED
+                )
+            )
+        return decision
+
+    def _room(self, resolved: ResolvedRequest) -> int:
+        limits = self.pool.limits()
+        return max(0, (limits.max_model_len if limits else 0) - len(resolved.prompt_token_ids))
+
     async def _run(
-        self, request: generation_pb2.GenerateRequest, call: Call
+        self, request: generation_pb2.GenerateRequest, call: Call, caller: str
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         resolved = await self.resolve(request)
         backend = self._pick(resolved.prompt_token_ids)
+        charged = await self._rate_limit(caller, resolved)
+        used = len(resolved.prompt_token_ids)
         ids = call.ids
         request_ids = [ids.internal] if resolved.n == 1 else [f"{ids.internal}.{i}" for i in range(resolved.n)]
         submissions = [self._submission(rid, resolved, i, call) for i, rid in enumerate(request_ids)]
@@ -276,6 +306,7 @@ class GenerationPipeline:
                     if out.response.token_ids and first_token_at is None:
                         first_token_at = time.monotonic()
                         self.metrics.time_to_first_token.observe(first_token_at - started)
+                    used += len(out.response.token_ids)
                     if out.final:
                         sample.done = True
                         self._finished(out.response)
@@ -288,6 +319,8 @@ class GenerationPipeline:
                 backend.stream.abort(sample.request_id)
             if unfinished:
                 self.metrics.requests_cancelled.inc()
+            if charged is not None and self.rate_limiter is not None:
+                await self.rate_limiter.record(caller, charged.correction(used))
 
     def _output(self, resolved: ResolvedRequest, index: int) -> OutputProcessor:
         return OutputProcessor(self.tokenizer, resolved.prompt_token_ids, resolved.sampling, index)

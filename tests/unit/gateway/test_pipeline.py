@@ -102,3 +102,33 @@ def test_generation_config_defaults(tmp_path: Path) -> None:
     assert load_sampling_defaults(tmp_path, "vllm") == SamplingDefaults()
     (tmp_path / "generation_config.json").write_text("{not json")
     assert load_sampling_defaults(tmp_path) == SamplingDefaults()
+
+
+async def test_two_gateways_sharing_redis_hold_the_combined_rate(tok: TextTokenizer) -> None:
+    import uuid
+
+    import redis
+
+    try:
+        redis.Redis(host="127.0.0.1", port=6379, socket_timeout=0.5).ping()
+    except redis.RedisError:
+        pytest.skip("no Redis at 127.0.0.1:6379")
+    key = f"k-{uuid.uuid4().hex}"  # a fresh bucket: earlier runs' buckets live a minute in Redis
+    shared = {"api_key": [key], "rate_limit_requests_per_minute": 6, "redis": "redis://127.0.0.1:6379/15"}
+    fake_a, fake_b = FakeScheduler(), FakeScheduler()
+    metadata = (("authorization", f"Bearer {key}"),)
+    async with running_gateway(tok, [fake_a], **shared) as a, running_gateway(tok, [fake_b], **shared) as b:
+        codes: list[grpc.StatusCode] = []
+        for i in range(16):
+            address = (a, b)[i % 2].address
+            async with grpc.aio.insecure_channel(address) as channel:
+                try:
+                    await generation_pb2_grpc.GenerationStub(channel).Complete(_req(), metadata=metadata)
+                    codes.append(grpc.StatusCode.OK)
+                except grpc.aio.AioRpcError as err:
+                    codes.append(err.code())
+                    assert "per minute" in str(err.details())
+    # GCRA allows a minute's budget at once: 6 in all, whichever replica took them.
+    assert codes.count(grpc.StatusCode.OK) == 6
+    assert codes.count(grpc.StatusCode.RESOURCE_EXHAUSTED) == 10
+    assert len(fake_a.submits) + len(fake_b.submits) == 6 and fake_a.submits and fake_b.submits
