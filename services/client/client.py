@@ -7,8 +7,9 @@ from typing import Any
 
 import grpc
 
-from services.common.channels import insecure_channel
+from services.common.channels import open_channel
 from services.common.proto.meshserve.v1 import generation_pb2, generation_pb2_grpc, sampling_pb2
+from services.common.tls import Security
 
 
 def sampling_params(**kwargs: Any) -> sampling_pb2.SamplingParams:
@@ -41,12 +42,14 @@ def build_request(
 class GenerationClient:
     """Async client: `async with GenerationClient(addr) as c: async for r in c.generate(req): ...`."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, security: Security | None = None) -> None:
+        """`security`: TLS (the CA, and a client certificate where the gateway asks for one); None: insecure."""
         self.address = address
+        self.security = security
         self._channel: grpc.aio.Channel | None = None
 
     async def __aenter__(self) -> GenerationClient:
-        self._channel = insecure_channel(self.address)
+        self._channel = open_channel(self.address, self.security)
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -10,6 +10,7 @@ import grpc
 
 from services.client.client import GenerationClient, build_request, sampling_params
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
+from services.common.tls import Security, TLSConfigError, load_files
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 
@@ -24,6 +25,21 @@ def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--tls-ca", default=None, help="PEM CA bundle: connect with TLS and verify the gateway")
+    parser.add_argument("--tls-cert", default=None, help="PEM client certificate (a gateway that requires one)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+
+
+def _security(ns: argparse.Namespace) -> Security | None:
+    """TLS of the channel to the gateway from --tls-*; None: insecure. Exits with the bad flag named."""
+    if ns.tls_ca is None and ns.tls_cert is None and ns.tls_key is None:
+        return None
+    if ns.tls_ca is None:
+        raise SystemExit("error: --tls-cert and --tls-key need --tls-ca (the CA that signed the gateway's certificate)")
+    try:
+        return load_files(cert=ns.tls_cert, key=ns.tls_key, ca=ns.tls_ca)
+    except TLSConfigError as err:
+        raise SystemExit(f"error: {err}") from None
 
 
 def _sampling(ns: argparse.Namespace) -> sampling_pb2.SamplingParams:
@@ -63,7 +79,7 @@ def _report(err: grpc.aio.AioRpcError) -> int:
 
 async def generate_main(ns: argparse.Namespace) -> int:
     """One prompt, streamed."""
-    async with GenerationClient(ns.address) as client:
+    async with GenerationClient(ns.address, _security(ns)) as client:
         if ns.raw:
             request = build_request(prompt=ns.prompt, sampling=_sampling(ns))
         else:
@@ -80,7 +96,7 @@ async def chat_main(ns: argparse.Namespace) -> int:
     history: list[tuple[str, str]] = []
     if ns.system:
         history.append(("system", ns.system))
-    async with GenerationClient(ns.address) as client:
+    async with GenerationClient(ns.address, _security(ns)) as client:
         while True:
             try:
                 line = await asyncio.to_thread(input, "you> ")

@@ -11,11 +11,16 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.channels import insecure_channel
+from services.common.channels import open_channel
+from services.common.tls import Security
+
+if TYPE_CHECKING:
+    from services.client.dev_certs import DevCerts
 
 # Runs in each child before it becomes `python -m services.cli ...` (argv: launcher pid, then the real
 # command). PR_SET_PDEATHSIG makes Linux send SIGTERM to the child when the launcher dies by any
@@ -65,8 +70,10 @@ class ServiceProcess:
 class Launcher:
     """Owns the child processes of `meshserve up` (and of integration tests)."""
 
-    def __init__(self, log_dir: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(self, log_dir: Path, env: dict[str, str] | None = None, security: Security | None = None) -> None:
+        """`security`: the TLS client certificate (and token) health checks use (None: insecure)."""
         self.log_dir = log_dir
+        self.security = security
         self.env = {**os.environ, **(env or {})}
         self.services: list[ServiceProcess] = []
         log_dir.mkdir(parents=True, exist_ok=True)
@@ -94,7 +101,7 @@ class Launcher:
     async def wait_healthy(self, service: ServiceProcess, timeout: float) -> None:
         """Poll grpc.health.v1 until SERVING; fail early, with its log, if the process exits."""
         deadline = time.monotonic() + timeout
-        async with insecure_channel(service.address) as channel:
+        async with open_channel(service.address, self.security) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
             while True:
                 if service.process.poll() is not None:
@@ -164,21 +171,29 @@ def start_suite_processes(
     gateway_args: Sequence[str] = (),
     kv_store_port: int | None = None,
     kv_store_args: Sequence[str] = (),
+    certs: DevCerts | None = None,
 ) -> SuiteProcesses:
     """Start a kvstore (with kv_store_port), scheduler, one worker per port (ids worker-0, worker-1, ...) and
-    gateway; no waiting. With a kvstore, the scheduler and every worker get --kv-store."""
+    gateway; no waiting. With a kvstore, the scheduler and every worker get --kv-store. With certs, each
+    service gets its own certificate and the CA (mTLS on every internal hop)."""
     sched_addr = f"{host}:{scheduler_port}"
     base = ["--host", host, *common_args]
+
+    def tls(name: str) -> list[str]:
+        return [] if certs is None else certs.flags(name)
+
     kv_store = None
     store_flags: list[str] = []
     if kv_store_port is not None:
         store_addr = f"{host}:{kv_store_port}"
         kv_store = launcher.start(
-            "kvstore", ["kvstore", *base, "--port", str(kv_store_port), *kv_store_args], store_addr
+            "kvstore", ["kvstore", *base, *tls("kvstore"), "--port", str(kv_store_port), *kv_store_args], store_addr
         )
         store_flags = ["--kv-store", store_addr]
     scheduler = launcher.start(
-        "scheduler", ["scheduler", *base, "--port", str(scheduler_port), *store_flags, *scheduler_args], sched_addr
+        "scheduler",
+        ["scheduler", *base, *tls("scheduler"), "--port", str(scheduler_port), *store_flags, *scheduler_args],
+        sched_addr,
     )
     workers = [
         launcher.start(
@@ -186,6 +201,7 @@ def start_suite_processes(
             [
                 "worker",
                 *base,
+                *tls("worker"),
                 "--port",
                 str(port),
                 "--scheduler-address",
@@ -206,6 +222,7 @@ def start_suite_processes(
         [
             "gateway",
             *base,
+            *tls("gateway"),
             "--port",
             str(gateway_port),
             "--scheduler-address",

@@ -10,7 +10,7 @@ import signal
 import sys
 import typing
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
@@ -19,6 +19,12 @@ from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.scheduler.settings import SchedulerSettings
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
+
+# The gateway's OpenAI-compatible HTTP front, on vLLM's default port.
+HTTP_PORT = 8000
+
+if TYPE_CHECKING:
+    from services.client.dev_certs import DevCerts
 
 # How the scheduler picks a worker per request: the choices of its --routing, which `up` passes on.
 ROUTING_POLICIES: tuple[str, ...] = typing.get_args(SchedulerSettings.model_fields["routing"].annotation)
@@ -29,6 +35,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     parser.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway (public) port")
+    parser.add_argument(
+        "--http-port",
+        type=int,
+        default=HTTP_PORT,
+        help="gateway's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); -1: off, 0: any free",
+    )
     parser.add_argument("--scheduler-port", type=int, default=SCHEDULER_PORT)
     parser.add_argument("--worker-port", type=int, default=WORKER_PORT, help="first worker's health port")
     parser.add_argument(
@@ -65,6 +77,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--tls",
+        action="store_true",
+        help="mTLS on every internal hop, TLS on the gateway: a throwaway CA and per-service certificates in "
+        "LOG_DIR/tls",
+    )
 
 
 def _positive_int(text: str) -> int:
@@ -116,6 +134,17 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
     ]
 
 
+def gateway_args(ns: argparse.Namespace) -> list[str]:
+    """The gateway's flags from `up`'s."""
+    return ["--http-port", str(ns.http_port)]
+
+
+def _http_banner(ns: argparse.Namespace) -> str:
+    if ns.http_port <= 0:
+        return ""
+    return f"  OpenAI-compatible HTTP API: http://{ns.host}:{ns.http_port}/v1 (completions, chat/completions)\n"
+
+
 def say(text: str, stream: TextIO | None = None) -> None:
     """Print for the user without ever raising.
 
@@ -137,6 +166,15 @@ def _to_devnull(stream: TextIO) -> None:
         os.close(devnull)
 
 
+def _dev_certs(directory: Path, host: str) -> DevCerts:
+    """A fresh throwaway CA and one certificate per service (valid for loopback and --host)."""
+    from services.client.dev_certs import make_dev_certs
+
+    certs = make_dev_certs(directory, hosts=[host])
+    say(f"meshserve: TLS on every hop; throwaway CA and certificates in {directory}")
+    return certs
+
+
 def _model_dir(model: str | None) -> str:
     if model:
         return model
@@ -152,7 +190,10 @@ async def run(ns: argparse.Namespace) -> int:
     """Start scheduler, workers and gateway; wait for health; stop them all on Ctrl-C."""
     model = _model_dir(ns.model)
     log_dir = ns.log_dir or model_cache_dir().parent / "logs"
-    launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json"})
+    certs = _dev_certs(log_dir / "tls", ns.host) if ns.tls else None
+    launcher = Launcher(
+        log_dir, env={"MESHSERVE_LOG_FORMAT": "json"}, security=None if certs is None else certs.security()
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -169,15 +210,19 @@ async def run(ns: argparse.Namespace) -> int:
             worker_args=worker_args(ns),
             kv_store_port=ns.kv_store_port if ns.kv_store == "on" else None,
             kv_store_args=kv_store_args(ns),
+            gateway_args=gateway_args(ns),
+            certs=certs,
         )
         gateway = suite.gateway
+        tls_hint = "" if certs is None else f" --tls-ca {certs.ca}"
         store = "a kvstore, " if suite.kv_store is not None else ""
         say(f"meshserve: starting {store}scheduler, {ns.workers} worker(s) and gateway; logs in {log_dir}")
         await wait_all_healthy(launcher, suite.all, ns.startup_timeout)
         say(
             f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
-            f'  try:  meshserve generate --address {gateway.address} "What is the capital of France?"\n'
-            f"        meshserve chat --address {gateway.address}\n"
+            f'  try:  meshserve generate --address {gateway.address}{tls_hint} "What is the capital of France?"\n'
+            f"        meshserve chat --address {gateway.address}{tls_hint}\n"
+            f"{_http_banner(ns)}"
             "  Ctrl-C stops every service."
         )
         await _wait_for_stop_or_exit(launcher, stop)

@@ -11,11 +11,13 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
+from services.common.internal_auth import InternalTokenInterceptor
+from services.common.reflection import enable_server_reflection
 from services.common.request_context import RequestIdInterceptor
 from services.common.settings import ServiceSettings
+from services.common.tls import Security, TLSConfigError, load_security
 
 # Between our own services: token streams are small, but prompts of token ids can be long.
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024
@@ -79,24 +81,27 @@ class GrpcService:
         *,
         max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
+        public: bool = False,
     ) -> None:
-        """`interceptors` None: the standard RequestIdInterceptor (the gateway binds its own ids)."""
+        """`interceptors` None: the standard RequestIdInterceptor (the gateway binds its own ids).
+
+        `public`: the gateway's port, which neither checks the internal token nor (unless
+        --tls-client-auth require) asks for client certificates."""
         self.name = name
         self.settings = settings
         self.service_names = list(service_names)
-        self.server = grpc.aio.server(
-            interceptors=[RequestIdInterceptor()] if interceptors is None else list(interceptors),
-            options=server_options(max_receive_message_bytes),
-        )
+        self.public = public
+        self.security = _load_security_or_exit(name, settings)
+        chain = [RequestIdInterceptor()] if interceptors is None else list(interceptors)
+        if self.security.token is not None and not public:
+            # First: a call without the token reaches nothing else.
+            chain.insert(0, InternalTokenInterceptor(self.security.token))
+        self.server = grpc.aio.server(interceptors=chain, options=server_options(max_receive_message_bytes))
         self.health = HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            [
-                *self.service_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            self.server,
+        # grpc.reflection.v1 and v1alpha, each listing both.
+        enable_server_reflection(
+            [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self.server
         )
         self.port = 0
         self._stop = asyncio.Event()
@@ -104,7 +109,11 @@ class GrpcService:
     async def start(self) -> int:
         """Bind and start serving (health NOT_SERVING until set_serving(True)); returns the port."""
         await self.set_serving(False)
-        self.port = self.server.add_insecure_port(self.settings.address)
+        credentials = self.security.server_credentials(public=self.public)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(self.settings.address)
+        else:
+            self.port = self.server.add_secure_port(self.settings.address, credentials)
         if self.port == 0:
             raise RuntimeError(f"cannot listen on {self.settings.address}: is the port taken? choose another --port")
         await self.server.start()
@@ -115,6 +124,8 @@ class GrpcService:
             service=self.name,
             address=f"{self.settings.host}:{self.port}",
             metrics_port=self.settings.metrics_port or None,
+            tls=self.security.describe(public=self.public),
+            internal_token=self.security.token is not None and not self.public,
         )
         return self.port
 
@@ -154,6 +165,15 @@ class GrpcService:
                 log.warning("drain timed out", service=self.name)
         await self.server.stop(max(0.0, deadline - loop.time()))
         log.info("stopped", service=self.name)
+
+
+def _load_security_or_exit(name: str, settings: ServiceSettings) -> Security:
+    """The service's TLS files and token; a bad flag ends the process with one line that names it."""
+    try:
+        return load_security(settings)
+    except TLSConfigError as err:
+        log.error("startup_failed", service=name, error=str(err))
+        raise SystemExit(f"meshserve {name}: error: {err}") from None
 
 
 def run_service(main: Callable[[], Coroutine[Any, Any, None]]) -> None:

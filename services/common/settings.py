@@ -35,6 +35,29 @@ class ServiceSettings(BaseSettings):
     shutdown_grace_period: float = Field(
         30.0, description="seconds in-flight requests get to finish after SIGTERM", ge=0
     )
+    # TLS and internal auth: read and checked by services/common/tls.py.
+    tls_cert: str | None = Field(
+        None, description="PEM certificate (chain) of this service: the port serves TLS; also its client cert"
+    )
+    tls_key: str | None = Field(None, description="PEM private key of --tls-cert")
+    tls_ca: str | None = Field(
+        None,
+        description="PEM CA bundle: outgoing channels use TLS and verify peers; internal ports then require "
+        "client certificates it signed (mTLS)",
+    )
+    tls_server_name: str | None = Field(
+        None, description="name outgoing channels expect in the peer's certificate (unset: the dialled host)"
+    )
+    tls_client_auth: Literal["auto", "require", "none"] = Field(
+        "auto",
+        description="client certificates with --tls-ca: auto (required on internal ports, not on the gateway's), "
+        "require, none",
+    )
+    internal_token_file: str | None = Field(
+        None,
+        description="file with the mesh's shared token: internal APIs require it (authorization: Bearer), "
+        "outgoing channels send it",
+    )
 
     @property
     def address(self) -> str:

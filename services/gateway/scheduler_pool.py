@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 import grpc
 import structlog
 
-from services.common.channels import insecure_channel
+from services.common.channels import open_channel
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from services.common.settings import ServiceSettings
+from services.common.tls import Security
 from services.gateway.routing import Candidate, choose, prefix_key
 from services.gateway.scheduler_stream import SchedulerStream
 
@@ -74,7 +76,9 @@ class SchedulerPool:
         poll_timeout: float,
         load_slack: int,
         on_health_change: Callable[[bool], Awaitable[None]],
+        security: Security | ServiceSettings | None = None,
     ) -> None:
+        """`security`: TLS and internal token of the channels (the gateway's settings; None: insecure)."""
         if not addresses:
             raise ValueError("a gateway needs at least one scheduler address")
         self._addresses = list(addresses)
@@ -83,13 +87,14 @@ class SchedulerPool:
         self._poll_timeout = poll_timeout
         self._load_slack = load_slack
         self._on_health_change = on_health_change
+        self._security = security
         self.backends: list[SchedulerBackend] = []
         self._healthy = False
 
     async def start(self) -> None:
         """Open a channel to each scheduler and start polling it."""
         for address in self._addresses:
-            channel = insecure_channel(address)
+            channel = open_channel(address, self._security)
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             backend = SchedulerBackend(address, channel, stub, SchedulerStream(stub, self._max_buffered_tokens))
             backend.poller = asyncio.create_task(self._poll(backend))

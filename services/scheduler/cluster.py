@@ -65,7 +65,9 @@ class Cluster:
         self._idle = asyncio.Event()
         self._idle.set()
         self.kv_lookup = (
-            KVStoreLookup(settings.kv_store, settings.kv_store_lookup_timeout, metrics) if settings.kv_store else None
+            KVStoreLookup(settings.kv_store, settings.kv_store_lookup_timeout, metrics, security=settings)
+            if settings.kv_store
+            else None
         )
         # Requests between admission (or losing their worker) and routing, while the kvstore is asked about
         # them; and the tasks asking.

@@ -11,9 +11,11 @@ from collections.abc import Iterable
 import grpc
 import structlog
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.channels import open_channel
 from services.common.kv_store_limits import MAX_BLOCK_HASHES
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
+from services.common.settings import ServiceSettings
+from services.common.tls import Security
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.request import Request
 
@@ -23,11 +25,18 @@ log = structlog.get_logger()
 class KVStoreLookup:
     """Asks the kvstore for each KV format in use how much of a request's prefix it holds."""
 
-    def __init__(self, address: str, timeout: float, metrics: SchedulerMetrics) -> None:
+    def __init__(
+        self,
+        address: str,
+        timeout: float,
+        metrics: SchedulerMetrics,
+        security: Security | ServiceSettings | None = None,
+    ) -> None:
+        """`security`: TLS and internal token of the channel (the scheduler's settings; None: insecure)."""
         self.address = address
         self.timeout = timeout
         self._metrics = metrics
-        self._channel = grpc.aio.insecure_channel(address, options=CHANNEL_OPTIONS)
+        self._channel = open_channel(address, security)
         self._stub = kvstore_pb2_grpc.KVBlockStoreStub(self._channel)
         self.num_lookups = 0
         self.num_errors = 0

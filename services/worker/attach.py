@@ -19,8 +19,9 @@ from typing import Protocol
 import grpc
 import structlog
 
-from services.common.channels import insecure_channel
+from services.common.channels import open_channel
 from services.common.proto.meshserve.v1 import scheduler_pb2_grpc, worker_pb2
+from services.common.tls import Security
 
 log = structlog.get_logger()
 
@@ -63,8 +64,11 @@ class AttachClient:
         reconnect_interval: float = 1.0,
         *,
         hung_step_timeout: float,
+        security: Security | None = None,
     ) -> None:
         self.scheduler_address = scheduler_address
+        # TLS and internal token of the Attach channel (None: insecure).
+        self.security = security
         self.hello = hello
         self.executor = executor
         self.on_attached = on_attached
@@ -88,7 +92,7 @@ class AttachClient:
 
         Raises ModelThreadHung when a step is still running hung_step_timeout after its stream ended.
         """
-        async with insecure_channel(self.scheduler_address) as channel:
+        async with open_channel(self.scheduler_address, self.security) as channel:
             stub = scheduler_pb2_grpc.SchedulerStub(channel)
             while not self._stop.is_set():
                 await self._attach_once(stub)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from services.common.tls import Security
 from services.worker.precision import Precision, parse_precision, precision_from_dtype
 from services.worker.settings import DEFAULT_KV_SAVE_QUEUE_BLOCKS
 
@@ -39,6 +40,8 @@ class EngineConfig:
     # host:port of the kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
     kv_store_address: str | None = None
     kv_save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
+    # TLS and internal token of every rank's kvstore channel (None: insecure).
+    kv_store_security: Security | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:

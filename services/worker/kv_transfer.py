@@ -31,9 +31,10 @@ import structlog
 import torch
 import xxhash
 
-from services.common.grpc_server import CHANNEL_OPTIONS
+from services.common.channels import open_sync_channel
 from services.common.kv_store_limits import BLOCK_HASH_BYTES, MAX_BLOCK_HASHES, MAX_CHUNK_BYTES
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
+from services.common.tls import Security
 from services.worker.kv_blocks import SliceGeometry, gather_blocks, scatter_blocks, slice_bytes, slices_from_bytes
 from services.worker.platforms.base import Platform
 
@@ -112,6 +113,7 @@ class KVTransfer:
         rank: int = 0,
         get_timeout_s: float = GET_TIMEOUT_S,
         put_timeout_s: float = PUT_TIMEOUT_S,
+        security: Security | None = None,
     ) -> None:
         if save_queue_blocks < 1:
             raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {save_queue_blocks}")
@@ -134,7 +136,8 @@ class KVTransfer:
             head_dim=geometry.head_dim,
             dtype=geometry.dtype_name,
         )
-        self._channel = grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+        # TLS and internal token as the worker's settings say (security None: insecure).
+        self._channel = open_sync_channel(address, security)
         self._stub = kvstore_pb2_grpc.KVBlockStoreStub(self._channel)
         # One lock for both queues; the conditions say which side changed.
         self._lock = threading.Lock()

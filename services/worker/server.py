@@ -19,6 +19,7 @@ from services.common.logs import configure_logging
 from services.common.model_paths import resolve_model_path
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
+from services.common.tls import load_security
 from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
 from services.worker.engine_config import EngineConfig
 from services.worker.settings import WorkerSettings
@@ -54,6 +55,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         cpu_kernels=settings.cpu_kernels,
         kv_store_address=settings.kv_store,
         kv_save_queue_blocks=settings.kv_save_queue_blocks,
+        kv_store_security=load_security(settings),
     )
 
 
@@ -187,6 +189,7 @@ async def _serve_driver(
         model_thread,
         reconnect_interval=settings.reconnect_interval,
         hung_step_timeout=settings.hung_step_timeout,
+        security=service.security,
     )
     attach_task = asyncio.create_task(client.run())
     # The attach loop ends by itself only when it fails (a hung model thread): shut down as on SIGTERM.

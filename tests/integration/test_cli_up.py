@@ -48,6 +48,8 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
             str(free_port()),
             "--kv-store-port",
             str(free_port()),
+            "--http-port",
+            str(free_port()),
             "--log-dir",
             str(tmp_path),
             "--kv-cache-memory",

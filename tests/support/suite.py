@@ -7,6 +7,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -14,6 +15,9 @@ from services.client.launcher import Launcher, ServiceProcess, start_suite_proce
 from services.common.channels import insecure_channel
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+if TYPE_CHECKING:
+    from services.client.dev_certs import DevCerts
 
 STARTUP_TIMEOUT_S = 300.0
 
@@ -128,9 +132,17 @@ def start_suite(
     num_workers: int = 1,
     scheduler_port: int | None = None,
     kv_store_args: Sequence[str] | None = None,
+    common_args: Sequence[str] = (),
+    certs: DevCerts | None = None,
 ) -> Suite:
-    """Start and wait until every service reports SERVING; kv_store_args not None: with a kvstore."""
-    launcher = Launcher(log_dir, env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"})
+    """Start and wait until every service reports SERVING; kv_store_args not None: with a kvstore.
+
+    common_args go to every service; certs: each service gets its own (health checks use "client")."""
+    launcher = Launcher(
+        log_dir,
+        env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"},
+        security=None if certs is None else certs.security(),
+    )
     try:
         procs = start_suite_processes(
             launcher,
@@ -144,6 +156,8 @@ def start_suite(
             gateway_args=gateway_args,
             kv_store_port=None if kv_store_args is None else free_port(),
             kv_store_args=kv_store_args or (),
+            common_args=common_args,
+            certs=certs,
         )
         asyncio.run(wait_all_healthy(launcher, procs.all, STARTUP_TIMEOUT_S))
     except BaseException:
