@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from services.common.proto.meshserve.v1 import sampling_pb2
+from services.worker.sampling_options import SamplingOptions
 
 
 @dataclass
@@ -18,6 +19,13 @@ class CachedRequest:
     num_computed_tokens: int
     block_ids: list[int]
     sampling: sampling_pb2.SamplingParams = field(default_factory=sampling_pb2.SamplingParams)
+    # The model's EOS ids as the scheduler sent them (empty under ignore_eos): banned before min_tokens.
+    eos_token_ids: tuple[int, ...] = ()
+    # Resolved once here rather than read from the proto for every row of every step.
+    sampling_options: SamplingOptions = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.sampling_options = SamplingOptions.from_params(self.sampling, self.eos_token_ids)
 
     @property
     def num_tokens(self) -> int:

@@ -23,7 +23,7 @@ from services.worker.layers.linear import pack_linears
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.platforms import Platform, get_platform
-from services.worker.sampler import Sampler, SampleRequest
+from services.worker.sampler import Sampled, Sampler, SampleRequest
 from services.worker.startup_error import StartupError
 from services.worker.weights import (
     ModelSource,
@@ -166,6 +166,7 @@ class ModelRunner:
             self.platform,
             save_queue_blocks=self.config.kv_save_queue_blocks,
             rank=self.tp.rank,
+            security=self.config.kv_store_security,
         )
 
     def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
@@ -317,6 +318,7 @@ class ModelRunner:
                 block_ids=blocks,
                 # Copied: the caller may reuse or mutate the Step message.
                 sampling=_copy_params(req.sampling),
+                eos_token_ids=tuple(req.eos_token_ids),
             )
             new.append(_Scheduled(cached, req.num_scheduled_tokens))
         running: list[tuple[_Scheduled, list[int]]] = []
@@ -389,9 +391,12 @@ class ModelRunner:
         if logits is None:
             return
         token_ids: list[int] | None = None
-        logprobs: list[float | None] = [None] * len(sample_work)
+        extras: list[Sampled | None] = [None] * len(sample_work)
         if self.tp.is_driver:
-            requests = [SampleRequest(item.request.sampling, item.request.num_output_tokens) for item in sample_work]
+            requests = [
+                SampleRequest(r.sampling_options, r.num_output_tokens, r.token_ids, r.num_prompt_tokens)
+                for r in (item.request for item in sample_work)
+            ]
             try:
                 sampled = self.sampler.sample(logits, requests)
             except Exception:
@@ -399,16 +404,19 @@ class ModelRunner:
                 self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_work), len(sample_work))
                 raise
             token_ids = [s.token_id for s in sampled]
-            logprobs = [s.logprob for s in sampled]
+            extras = list(sampled)
         # Every rank appends the same tokens so their persistent batches stay identical.
         token_ids = self.tp.broadcast_ints(token_ids, len(sample_work))
         if SAMPLING_FAILED in token_ids:
             raise RuntimeError("rank 0 failed to sample this step")
-        for item, token_id, logprob in zip(sample_work, token_ids, logprobs, strict=True):
+        for item, token_id, extra in zip(sample_work, token_ids, extras, strict=True):
             item.request.token_ids.append(token_id)
             token = worker_pb2.SampledToken(request_id=item.request.request_id, token_id=token_id)
-            if logprob is not None:
-                token.logprob = logprob
+            if extra is not None and extra.logprob is not None:
+                token.logprob = extra.logprob
+                if extra.top_token_ids:
+                    token.top_logprobs.token_ids.extend(extra.top_token_ids)
+                    token.top_logprobs.logprobs.extend(extra.top_logprobs)
             result.sampled.append(token)
 
     def forward(
