@@ -14,6 +14,8 @@ class GatewayMetrics:
     """All gateway metrics, created once per process."""
 
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
+        # Where these live, for whatever exposes them (the HTTP front's /metrics).
+        self.registry = registry
         self.requests_started = Counter("meshserve:requests_started", "Accepted requests", registry=registry)
         self.requests_rejected = Counter(
             "meshserve:requests_rejected", "Requests refused as invalid", registry=registry

@@ -13,8 +13,11 @@ from services.common.model_paths import resolve_model_path
 from services.common.sampling_checks import InvalidField, check_eos_token_ids
 from services.gateway.admission import Admission
 from services.gateway.api_keys import ApiKeys, read_key_file
+from services.gateway.http.app import create_app
+from services.gateway.http.http_server import HttpServer
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.pipeline import GenerationPipeline
+from services.gateway.rate_limit import RateLimits, make_rate_limiter
 from services.gateway.sampling_defaults import SamplingDefaults, load_sampling_defaults
 from services.gateway.scheduler_pool import SchedulerPool
 from services.gateway.servicer import SERVICE_NAME, GenerationServicer
@@ -61,6 +64,7 @@ class Gateway:
             [SERVICE_NAME],
             max_receive_message_bytes=PUBLIC_MAX_RECEIVE_MESSAGE_BYTES,
             interceptors=(),
+            public=True,
         )
         self.pool = SchedulerPool(
             settings.scheduler_addresses,
@@ -69,11 +73,14 @@ class Gateway:
             poll_timeout=settings.scheduler_poll_timeout,
             load_slack=settings.routing_load_slack,
             on_health_change=self._on_health_change,
+            security=self.service.security,
         )
         admission = Admission(
             settings.max_concurrent_requests, settings.max_concurrent_requests_per_client, settings.retry_after
         )
         self._executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
+        limits = RateLimits(settings.rate_limit_requests_per_minute, settings.rate_limit_tokens_per_minute)
+        self.rate_limiter = make_rate_limiter(limits, settings.redis)
         self.pipeline = GenerationPipeline(
             tokenizer,
             self.pool,
@@ -83,9 +90,22 @@ class Gateway:
             defaults=defaults,
             served_model_names=settings.served_model_name,
             api_keys=load_api_keys(settings),
+            rate_limiter=self.rate_limiter,
         )
         self.servicer = GenerationServicer(self.pipeline, write_timeout=settings.stream_write_timeout)
         self.service.server.add_generic_rpc_handlers((self.servicer.handlers(),))
+        # The OpenAI-compatible HTTP front, over the same pipeline (--http-port; -1: off).
+        self.http: HttpServer | None = None
+        if settings.http_port >= 0:
+            app = create_app(
+                self.pipeline,
+                self._executor,
+                write_timeout=settings.stream_write_timeout,
+                registry=self.pipeline.metrics.registry,
+            )
+            self.http = HttpServer(
+                app, settings.host, settings.http_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
+            )
 
     async def _on_health_change(self, healthy: bool) -> None:
         if self.service.stopping:
@@ -98,10 +118,17 @@ class Gateway:
         """host:port of the public listener, once started."""
         return f"{self.settings.host}:{self.service.port}"
 
+    @property
+    def http_port(self) -> int | None:
+        """The HTTP front's bound port, once started; None when it is off."""
+        return self.http.port if self.http is not None and self.http.port else None
+
     async def start(self) -> int:
-        """Listen (NOT_SERVING until a scheduler is ready) and start polling; returns the port."""
+        """Listen (NOT_SERVING until a scheduler is ready) and start polling; returns the gRPC port."""
         port = await self.service.start()
         await self.pool.start()
+        if self.http is not None:
+            await self.http.start()
         return port
 
     async def run_until_stopped(self) -> None:
@@ -112,8 +139,12 @@ class Gateway:
             await self.close()
 
     async def close(self) -> None:
-        """End the scheduler streams and tokenizer threads (after the server stopped)."""
+        """Stop the HTTP front, end the scheduler streams and tokenizer threads (after the server stopped)."""
+        if self.http is not None:
+            await self.http.stop()
         await self.pool.close()
+        if self.rate_limiter is not None:
+            await self.rate_limiter.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
 
 
@@ -130,5 +161,6 @@ async def serve(settings: GatewaySettings) -> None:
         model=str(model_dir),
         schedulers=settings.scheduler_addresses,
         sampling_defaults=defaults.source,
+        http_port=gateway.http_port,
     )
     await gateway.run_until_stopped()

@@ -19,6 +19,13 @@ class GatewaySettings(ServiceSettings):
     """
 
     port: int = Field(DEFAULT_PORT, description="public gRPC port", ge=0, le=65535)
+    http_port: int = Field(
+        -1,
+        description="OpenAI-compatible HTTP API port (/v1/completions, /v1/chat/completions, /v1/models, /health, "
+        "/metrics) on --host; -1: off, 0: any free port (`meshserve up` serves it on 8000)",
+        ge=-1,
+        le=65535,
+    )
     scheduler_address: str = Field("127.0.0.1:50052", description="scheduler host:port, or several separated by commas")
     model: str | None = Field(None, description="model directory holding the tokenizer (unset: the embedded SmolLM2)")
     served_model_name: list[str] = Field(
@@ -46,6 +53,19 @@ class GatewaySettings(ServiceSettings):
     )
     retry_after: float = Field(
         1.0, description="seconds the gateway advises (google.rpc.RetryInfo) when it refuses for load", gt=0
+    )
+    # Rate limits per API key (rate_limit.py): GCRA, bursts of a minute's budget.
+    rate_limit_requests_per_minute: int | None = Field(
+        None, description="requests one API key may start per minute (unset: unlimited)", ge=1
+    )
+    rate_limit_tokens_per_minute: int | None = Field(
+        None,
+        description="prompt + completion tokens one API key may use per minute; a request reserves prompt + "
+        "max_tokens until it ends (unset: unlimited)",
+        ge=1,
+    )
+    redis: str | None = Field(
+        None, description="redis://host:port/db shared by gateway replicas for rate limits; unset: in-process"
     )
     # Slow readers. Events waiting for a call that fell behind merge into one (scheduler_stream.py), so
     # a request buffers at most stream_buffer_tokens token ids (plus one ~550-byte message) for its

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -114,7 +115,11 @@ async def test_two_gateways_sharing_redis_hold_the_combined_rate(tok: TextTokeni
     except redis.RedisError:
         pytest.skip("no Redis at 127.0.0.1:6379")
     key = f"k-{uuid.uuid4().hex}"  # a fresh bucket: earlier runs' buckets live a minute in Redis
-    shared = {"api_key": [key], "rate_limit_requests_per_minute": 6, "redis": "redis://127.0.0.1:6379/15"}
+    shared: dict[str, Any] = {
+        "api_key": [key],
+        "rate_limit_requests_per_minute": 6,
+        "redis": "redis://127.0.0.1:6379/15",
+    }
     fake_a, fake_b = FakeScheduler(), FakeScheduler()
     metadata = (("authorization", f"Bearer {key}"),)
     async with running_gateway(tok, [fake_a], **shared) as a, running_gateway(tok, [fake_b], **shared) as b:
