@@ -28,9 +28,15 @@ class OutputProcessor:
                 continue
             if out.error is not None:
                 sub.finished = True
-                sub.send(
-                    Failure(grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}", reason=Reason.WORKER_FAILED)
-                )
+                if out.error_field:
+                    failure = Failure(
+                        grpc.StatusCode.INVALID_ARGUMENT, f"{out.error_field}: {out.error}", out.error_field, out.error
+                    )
+                else:
+                    failure = Failure(
+                        grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}", reason=Reason.WORKER_FAILED
+                    )
+                sub.send(failure)
                 continue
             sub.send(self._event(sub, out, now))
 

@@ -38,8 +38,11 @@ class RequestOutput:
     new_logprobs: list[float]
     finish_reason: RequestStatus | None
     new_top_logprobs: list[sampling_pb2.TopLogprobs] = field(default_factory=list)
-    # The worker's error text when the step failed (finish_reason is then FINISHED_ABORTED).
+    # The worker's error text when the step (or this request alone) failed (finish_reason is then
+    # FINISHED_ABORTED).
     error: str | None = None
+    # For a request that failed alone because of one of its fields: that field (INVALID_ARGUMENT).
+    error_field: str = ""
 
 
 @dataclass
@@ -440,6 +443,18 @@ class WorkerScheduler:
             if request is None or request.status != RequestStatus.RUNNING or request.num_pending_samples == 0:
                 continue
             request.num_pending_samples -= 1
+            if sampled.HasField("failure"):
+                # This request alone failed on the worker (e.g. its grammar): end it, the others go on.
+                self._finish(request, RequestStatus.FINISHED_ABORTED)
+                outputs[request.request_id] = RequestOutput(
+                    request,
+                    [],
+                    [],
+                    RequestStatus.FINISHED_ABORTED,
+                    error=sampled.failure.message,
+                    error_field=sampled.failure.field,
+                )
+                continue
             request.output_token_ids.append(sampled.token_id)
             out = outputs.get(request.request_id)
             if out is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.proto.meshserve.v1 import sampling_pb2
 from services.worker.sampling_options import SamplingOptions
@@ -23,6 +24,10 @@ class CachedRequest:
     eos_token_ids: tuple[int, ...] = ()
     # Resolved once here rather than read from the proto for every row of every step.
     sampling_options: SamplingOptions = field(init=False)
+    # Rank 0 only: the request's position in its grammar (a GrammarMatcher), None when unconstrained.
+    grammar: Any = None
+    # Why this request alone cannot go on (its grammar failed): (field, message), reported at its next sample.
+    failure: tuple[str, str] | None = None
 
     def __post_init__(self) -> None:
         self.sampling_options = SamplingOptions.from_params(self.sampling, self.eos_token_ids)

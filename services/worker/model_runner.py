@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 import torch
 
+from services.common.grammar_check import is_constrained
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.distributed import SINGLE, DistInit, init_tp_group
 from services.worker.engine_config import EngineConfig
+from services.worker.grammar import GrammarCompileError, GrammarEngine, GrammarError
 from services.worker.input_batch import CachedRequest, InputBatch
 from services.worker.kv_blocks import SliceGeometry, dtype_name
 from services.worker.kv_cache import KVCache, bytes_per_block
@@ -94,6 +97,8 @@ class ModelRunner:
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)
+        # Rank 0 samples, so it alone holds grammar matchers; None when the model has no tokenizer.json.
+        self.grammar: GrammarEngine | None = self._grammar_engine(source, arch.vocab_size)
         # Without a kvstore, loads a scheduler sends anyway are answered as done with nothing loaded, in the
         # next result (one that a refused step does not get).
         self._loads_without_store: list[int] = []
@@ -137,6 +142,26 @@ class ModelRunner:
             kv_store=config.kv_store_address,
             load_seconds=round(time.perf_counter() - started, 3),
         )
+
+    def _grammar_engine(self, source: ModelSource, vocab_size: int) -> GrammarEngine | None:
+        if not self.tp.is_driver or not (source.directory / "tokenizer.json").is_file():
+            return None
+        return GrammarEngine(source.directory, vocab_size)
+
+    def _match_grammar(self, cached: CachedRequest, output_token_ids: Sequence[int]) -> None:
+        """Give a constrained request its matcher, replaying the tokens it already has (after a move or a
+        preemption); a grammar that fails marks this request alone."""
+        if not self.tp.is_driver or not is_constrained(cached.sampling):
+            return
+        if self.grammar is None:
+            cached.failure = ("sampling.grammar", "this worker's model has no tokenizer.json for structured outputs")
+            return
+        try:
+            cached.grammar = self.grammar.matcher(cached.sampling.grammar, output_token_ids)
+        except GrammarCompileError as err:
+            cached.failure = (err.field, err.description)
+        except GrammarError as err:
+            cached.failure = ("", f"the request's tokens do not satisfy its grammar: {err}")
 
     def _start_kv_transfer(self, arch: LlamaArch) -> KVTransfer | None:
         """This rank's loader and saver of its KV heads, when --kv-store is set."""
@@ -320,6 +345,7 @@ class ModelRunner:
                 sampling=_copy_params(req.sampling),
                 eos_token_ids=tuple(req.eos_token_ids),
             )
+            self._match_grammar(cached, req.output_token_ids)
             new.append(_Scheduled(cached, req.num_scheduled_tokens))
         running: list[tuple[_Scheduled, list[int]]] = []
         for sched in step.scheduled:
@@ -393,18 +419,20 @@ class ModelRunner:
         token_ids: list[int] | None = None
         extras: list[Sampled | None] = [None] * len(sample_work)
         if self.tp.is_driver:
+            rows = [item.request for item in sample_work]
             requests = [
-                SampleRequest(r.sampling_options, r.num_output_tokens, r.token_ids, r.num_prompt_tokens)
-                for r in (item.request for item in sample_work)
+                SampleRequest(r.sampling_options, r.num_output_tokens, r.token_ids, r.num_prompt_tokens) for r in rows
             ]
             try:
-                sampled = self.sampler.sample(logits, requests)
+                allowed = self._allowed(rows)
+                sampled = self.sampler.sample(logits, requests, allowed)
             except Exception:
                 # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
                 self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_work), len(sample_work))
                 raise
             token_ids = [s.token_id for s in sampled]
             extras = list(sampled)
+            self._advance_grammars(rows, token_ids)
         # Every rank appends the same tokens so their persistent batches stay identical.
         token_ids = self.tp.broadcast_ints(token_ids, len(sample_work))
         if SAMPLING_FAILED in token_ids:
@@ -412,12 +440,32 @@ class ModelRunner:
         for item, token_id, extra in zip(sample_work, token_ids, extras, strict=True):
             item.request.token_ids.append(token_id)
             token = worker_pb2.SampledToken(request_id=item.request.request_id, token_id=token_id)
+            if item.request.failure is not None:
+                field, message = item.request.failure
+                token.failure.field, token.failure.message = field, message
             if extra is not None and extra.logprob is not None:
                 token.logprob = extra.logprob
                 if extra.top_token_ids:
                     token.top_logprobs.token_ids.extend(extra.top_token_ids)
                     token.top_logprobs.logprobs.extend(extra.top_logprobs)
             result.sampled.append(token)
+
+    def _allowed(self, rows: Sequence[CachedRequest]) -> torch.Tensor | None:
+        """The grammar masks of the rows being sampled (None when none is constrained)."""
+        if self.grammar is None:
+            return None
+        matchers = [r.grammar if r.failure is None else None for r in rows]
+        return self.grammar.fill_allowed(matchers)
+
+    def _advance_grammars(self, rows: Sequence[CachedRequest], token_ids: Sequence[int]) -> None:
+        for request, token_id in zip(rows, token_ids, strict=True):
+            if request.grammar is None or request.failure is not None:
+                continue
+            try:
+                request.grammar.accept(token_id)
+            except GrammarError as err:
+                # Only if a mask was not applied; the request fails alone, the step goes on.
+                request.failure = ("", f"the sampled token broke the grammar: {err}")
 
     def forward(
         self,

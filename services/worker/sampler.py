@@ -119,6 +119,8 @@ def preprocess_logits(
             list(chain.from_iterable(o.bias_ids for o in opts)),
             list(chain.from_iterable(o.bias_values for o in opts)),
         )
+    if min_tokens and allowed is not None:
+        min_tokens = _grammar_first(allowed, requests, min_tokens)
     if min_tokens:
         opts = [requests[i].options for i in min_tokens]
         ban_tokens(
@@ -134,6 +136,18 @@ def preprocess_logits(
             raise ValueError("the token mask allows no token in some row")
         logits.masked_fill_(~allowed, NEG_INF)
     return logits
+
+
+def _grammar_first(allowed: torch.Tensor, requests: Sequence[SampleRequest], rows: list[int]) -> list[int]:
+    """The rows whose min_tokens ban leaves their grammar some token: where the grammar allows only EOS (or
+    stop ids), the grammar wins, as a row with nothing to sample would otherwise break the whole step."""
+    keep: list[int] = []
+    for i in rows:
+        still = allowed[i].clone()
+        still[list(requests[i].options.min_tokens_ids)] = False
+        if bool(still.any()):
+            keep.append(i)
+    return keep
 
 
 def _penalise(logits: torch.Tensor, requests: list[SampleRequest], rows: list[int]) -> None:

@@ -503,3 +503,52 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
 def test_fp32_linears_stay_unpacked(llama_runner: ModelRunner) -> None:
     assert llama_runner.platform.matmul_pack_dtype(torch.float32) is None
     assert all(m.packed is None for m in llama_runner.model.matmul_modules())
+
+
+def _decode(model_dir: Path, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return str(Tokenizer.from_file(str(model_dir / "tokenizer.json")).decode(ids))
+
+
+def test_grammar_constrains_output_and_replays_after_preemption(llama_dir: Path) -> None:
+    runner = _runner(llama_dir)
+    assert runner.grammar is not None
+    eos = sorted(runner.grammar.eos_token_ids)
+    choice = sampling_pb2.Grammar(choice=sampling_pb2.Choices(choices=["the cat", "a dog"]))
+    regex = sampling_pb2.Grammar(regex="[0-9]{3}")
+    driver = Driver(runner)
+    picked = driver.add(Req("choice", PROMPTS[0], 12, sampling_pb2.SamplingParams(temperature=0, grammar=choice)))
+    digits = driver.add(
+        Req("regex", PROMPTS[1], 12, sampling_pb2.SamplingParams(temperature=0.9, seed=3, grammar=regex))
+    )
+    free = driver.add(Req("free", PROMPTS[2], 6))
+    for _ in range(2):
+        driver.step()
+    driver.preempt("regex")  # rebuilt from its output tokens by the next NewRequest
+    for _ in range(40):
+        if all(r.done or (r.outputs and r.outputs[-1] in eos) for r in (picked, digits)) and free.done:
+            break
+        for r in (picked, digits):
+            if r.outputs and r.outputs[-1] in eos:
+                r.max_new = len(r.outputs)  # the scheduler would stop it at EOS
+        driver.step()
+    for req, check in ((picked, lambda t: t in ("the cat", "a dog")), (digits, lambda t: len(t) == 3 and t.isdigit())):
+        assert req.outputs[-1] in eos, req.outputs
+        assert check(_decode(llama_dir, req.outputs[:-1])), _decode(llama_dir, req.outputs)
+    assert len(free.outputs) == 6
+
+
+def test_a_grammar_that_fails_fails_its_request_alone(llama_dir: Path) -> None:
+    runner = _runner(llama_dir)
+    bad = sampling_pb2.SamplingParams(temperature=0, grammar=sampling_pb2.Grammar(regex="(unclosed"))
+    driver = Driver(runner)
+    driver.add(Req("bad", PROMPTS[0], 4, bad))
+    good = driver.add(Req("good", PROMPTS[1], 4))
+    sampled = driver.step()
+    assert sampled["bad"].HasField("failure") and sampled["bad"].failure.field == "sampling.grammar.regex"
+    assert not sampled["good"].HasField("failure")
+    driver.preempt("bad")
+    del driver.reqs["bad"]
+    driver.run()
+    assert good.outputs == transformers_greedy(llama_dir, PROMPTS[1], 4)

@@ -521,6 +521,7 @@ class SampledToken(_message.Message):
     TOKEN_ID_FIELD_NUMBER: _builtins.int
     LOGPROB_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
+    FAILURE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     token_id: _builtins.int
@@ -533,6 +534,13 @@ class SampledToken(_message.Message):
         asked for.
         """
 
+    @_builtins.property
+    def failure(self) -> Global___RequestFailure:
+        """Set when this request alone failed (its grammar did not compile, or the
+        tokens it already has break it): token_id is then meaningless, and the
+        scheduler ends the request with this error while the others go on.
+        """
+
     def __init__(
         self,
         *,
@@ -540,14 +548,44 @@ class SampledToken(_message.Message):
         token_id: _builtins.int = ...,
         logprob: _builtins.float = ...,
         top_logprobs: _sampling_pb2.TopLogprobs | None = ...,
+        failure: Global___RequestFailure | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["failure", b"failure", "logprob", b"logprob", "request_id", b"request_id", "token_id", b"token_id", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SampledToken: _TypeAlias = SampledToken  # noqa: Y015
+
+@_typing.final
+class RequestFailure(_message.Message):
+    """Why one request failed on the worker."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FIELD_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    field: _builtins.str
+    """The request field at fault (e.g. "sampling.grammar.json_schema"), when
+    the request itself is wrong: the caller gets INVALID_ARGUMENT naming it.
+    Empty: a worker-side failure (INTERNAL).
+    """
+    message: _builtins.str
+    """What went wrong, for the caller."""
+    def __init__(
+        self,
+        *,
+        field: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["field", b"field", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestFailure: _TypeAlias = RequestFailure  # noqa: Y015
 
 @_typing.final
 class StepResult(_message.Message):
