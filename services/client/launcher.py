@@ -157,6 +157,12 @@ class SuiteProcesses:
         return [*first, self.scheduler, *self.workers, self.gateway]
 
 
+def metrics_ports(base: int, num_workers: int) -> dict[str, int]:
+    """One metrics port per service from a base: gateway, scheduler, kvstore, then worker-0, worker-1, ..."""
+    names = ["gateway", "scheduler", "kvstore", *(f"worker-{i}" for i in range(num_workers))]
+    return {name: base + i for i, name in enumerate(names)}
+
+
 def start_suite_processes(
     launcher: Launcher,
     *,
@@ -172,27 +178,34 @@ def start_suite_processes(
     kv_store_port: int | None = None,
     kv_store_args: Sequence[str] = (),
     certs: DevCerts | None = None,
+    metrics_port: int | None = None,
 ) -> SuiteProcesses:
     """Start a kvstore (with kv_store_port), scheduler, one worker per port (ids worker-0, worker-1, ...) and
     gateway; no waiting. With a kvstore, the scheduler and every worker get --kv-store. With certs, each
-    service gets its own certificate and the CA (mTLS on every internal hop)."""
+    service gets its own certificate and the CA (mTLS on every internal hop). With metrics_port, each
+    service exports Prometheus metrics on its own port (metrics_ports says which)."""
     sched_addr = f"{host}:{scheduler_port}"
     base = ["--host", host, *common_args]
+    ports = metrics_ports(metrics_port, len(worker_ports)) if metrics_port is not None else {}
 
-    def tls(name: str) -> list[str]:
-        return [] if certs is None else certs.flags(name)
+    def own_flags(name: str) -> list[str]:
+        """The flags that differ per service: its certificate and its metrics port."""
+        flags = [] if certs is None else certs.flags(name.split("-")[0])
+        return flags + (["--metrics-port", str(ports[name])] if name in ports else [])
 
     kv_store = None
     store_flags: list[str] = []
     if kv_store_port is not None:
         store_addr = f"{host}:{kv_store_port}"
         kv_store = launcher.start(
-            "kvstore", ["kvstore", *base, *tls("kvstore"), "--port", str(kv_store_port), *kv_store_args], store_addr
+            "kvstore",
+            ["kvstore", *base, *own_flags("kvstore"), "--port", str(kv_store_port), *kv_store_args],
+            store_addr,
         )
         store_flags = ["--kv-store", store_addr]
     scheduler = launcher.start(
         "scheduler",
-        ["scheduler", *base, *tls("scheduler"), "--port", str(scheduler_port), *store_flags, *scheduler_args],
+        ["scheduler", *base, *own_flags("scheduler"), "--port", str(scheduler_port), *store_flags, *scheduler_args],
         sched_addr,
     )
     workers = [
@@ -201,7 +214,7 @@ def start_suite_processes(
             [
                 "worker",
                 *base,
-                *tls("worker"),
+                *own_flags(f"worker-{i}"),
                 "--port",
                 str(port),
                 "--scheduler-address",
@@ -222,7 +235,7 @@ def start_suite_processes(
         [
             "gateway",
             *base,
-            *tls("gateway"),
+            *own_flags("gateway"),
             "--port",
             str(gateway_port),
             "--scheduler-address",

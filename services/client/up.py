@@ -32,7 +32,14 @@ ROUTING_POLICIES: tuple[str, ...] = typing.get_args(SchedulerSettings.model_fiel
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `meshserve up`."""
-    parser.add_argument("--model", default=None, help="model directory or .gguf (default: embedded SmolLM2)")
+    parser.add_argument(
+        "model_positional",
+        nargs="?",
+        default=None,
+        metavar="MODEL",
+        help="model directory or .gguf, as `vllm serve MODEL` (default: embedded SmolLM2)",
+    )
+    parser.add_argument("--model", default=None, help="the same as MODEL")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     parser.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway (public) port")
     parser.add_argument(
@@ -52,7 +59,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda or npu (worker default: auto)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one dtype")
     parser.add_argument("--precision", default=None, help="WEIGHTS-COMPUTE-ACCUM, e.g. bf16-fp16-fp32 (default: auto)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="ranks (devices) per worker")
+    parser.add_argument(
+        "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per worker"
+    )
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (worker default per device)")
+    parser.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling on every worker")
+    parser.add_argument(
+        "--served-model-name", nargs="+", default=None, help="names clients give as the model (gateway)"
+    )
+    parser.add_argument("--api-key", action="append", default=None, help="API key the gateway requires (repeatable)")
+    parser.add_argument(
+        "--generation-config", default=None, choices=["auto", "vllm"], help="sampling defaults (gateway default auto)"
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="first Prometheus port: gateway, scheduler, kvstore, then each worker on the next ones (unset: off)",
+    )
+    parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size per worker on the CPU")
     parser.add_argument("--gpu-memory-utilization", type=float, default=None, help="(cuda, npu; worker default 0.9)")
     parser.add_argument("--max-model-len", type=int, default=None)
@@ -131,12 +156,38 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--precision", ns.precision),
         *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
         *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
+        # The worker must be told too: it sizes its step buffers for them, and the scheduler plans within the
+        # smaller of its own and the worker's (before, up's values reached only the scheduler).
+        *_optional("--max-num-seqs", ns.max_num_seqs),
+        *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
+        *_optional("--block-size", ns.block_size),
+        *_optional("--seed", ns.seed),
     ]
 
 
 def gateway_args(ns: argparse.Namespace) -> list[str]:
     """The gateway's flags from `up`'s."""
-    return ["--http-port", str(ns.http_port)]
+    names = ["--served-model-name", *ns.served_model_name] if ns.served_model_name else []
+    keys = [flag for key in ns.api_key or () for flag in ("--api-key", key)]
+    return [
+        "--http-port",
+        str(ns.http_port),
+        *names,
+        *keys,
+        *_optional("--generation-config", ns.generation_config),
+    ]
+
+
+def common_args(ns: argparse.Namespace) -> list[str]:
+    """Flags every service gets."""
+    return _optional("--log-level", ns.log_level)
+
+
+def model_argument(ns: argparse.Namespace) -> str | None:
+    """MODEL or --model (not both, unless equal)."""
+    if ns.model_positional and ns.model and ns.model_positional != ns.model:
+        raise ValueError(f"two models given: {ns.model_positional} and --model {ns.model}; give one")
+    return ns.model_positional or ns.model
 
 
 def _http_banner(ns: argparse.Namespace) -> str:
@@ -188,7 +239,11 @@ def _model_dir(model: str | None) -> str:
 
 async def run(ns: argparse.Namespace) -> int:
     """Start scheduler, workers and gateway; wait for health; stop them all on Ctrl-C."""
-    model = _model_dir(ns.model)
+    try:
+        model = _model_dir(model_argument(ns))
+    except ValueError as err:
+        say(f"meshserve: {err}", sys.stderr)
+        return 2
     log_dir = ns.log_dir or model_cache_dir().parent / "logs"
     certs = _dev_certs(log_dir / "tls", ns.host) if ns.tls else None
     launcher = Launcher(
@@ -211,7 +266,9 @@ async def run(ns: argparse.Namespace) -> int:
             kv_store_port=ns.kv_store_port if ns.kv_store == "on" else None,
             kv_store_args=kv_store_args(ns),
             gateway_args=gateway_args(ns),
+            common_args=common_args(ns),
             certs=certs,
+            metrics_port=ns.metrics_port,
         )
         gateway = suite.gateway
         tls_hint = "" if certs is None else f" --tls-ca {certs.ca}"

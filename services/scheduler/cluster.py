@@ -130,7 +130,20 @@ class Cluster:
             model=hello.model_name,
             num_blocks=hello.num_blocks,
             block_size=hello.block_size,
+            # What this worker's steps are planned within: the smaller of the scheduler's and its own.
+            max_num_seqs=worker.planner.max_num_seqs,
+            max_num_batched_tokens=worker.planner.max_num_batched_tokens,
         )
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            own, reported = getattr(s, name), getattr(hello, name)
+            if reported and reported < own:
+                log.warning(
+                    f"the worker runs a smaller --{name.replace('_', '-')} than this scheduler; its steps are "
+                    "planned within the worker's",
+                    worker_id=hello.worker_id,
+                    scheduler=own,
+                    worker=reported,
+                )
         self._update_gauges()
         return worker
 
