@@ -146,10 +146,10 @@ def _sampling(body: _Sampling, max_tokens: int | None) -> tuple[sampling_pb2.Sam
     if body.skip_special_tokens is not None:
         sp.skip_special_tokens = body.skip_special_tokens
     for key, bias in (body.logit_bias or {}).items():
-        try:
-            token = int(key)
-        except ValueError:
-            raise InvalidField("logit_bias", f"keys must be token ids (as JSON strings); got {key[:32]!r}") from None
+        # Plain ASCII digits only: int() would also take "5_0", " 5", "+5" and other scripts' digits.
+        if not (key.isascii() and key.isdigit()):
+            raise InvalidField("logit_bias", f"keys must be token ids (as JSON strings); got {key[:32]!r}")
+        token = int(key)
         if token not in _INT32:
             raise InvalidField(f"logit_bias[{key}]", f"token id {token} is outside the model's vocabulary")
         sp.logit_bias[token] = bias

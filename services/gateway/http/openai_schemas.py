@@ -10,6 +10,7 @@ strings, penalties, grammar caps...) is left to the pipeline's own validation, s
 from __future__ import annotations
 
 import json
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidatorFunctionWrapHandler, WrapValidator
@@ -179,6 +180,28 @@ def field_path(loc: tuple[int | str, ...]) -> str:
     return out
 
 
+# A \uD800-\uDFFF escape: JSON allows it, but alone (not as half of a pair) it is no character, and the text
+# cannot be encoded as UTF-8 for the tokenizer or the protobuf messages.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
+
+
+def _check_no_lone_surrogates(value: object, path: str) -> None:
+    """InvalidField naming the first string holding a lone surrogate (only walked when the body has one)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidField(
+                path, "holds a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not text; send valid Unicode"
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_no_lone_surrogates(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_no_lone_surrogates(item, f"{path}[{i}]")
+
+
 def load_body(raw: bytes, model: type[B]) -> B:
     """Parse and validate one request body; InvalidField names the first bad field ("" for the body)."""
     try:
@@ -189,6 +212,8 @@ def load_body(raw: bytes, model: type[B]) -> B:
         raise InvalidField("", f"the body is not valid JSON ({err})") from None
     if not isinstance(body, dict):
         raise InvalidField("", "the body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(raw):
+        _check_no_lone_surrogates(body, "")
     _check_counts(body)
     try:
         return model.model_validate(body)
