@@ -42,3 +42,61 @@ def test_say_survives_a_closed_pipe() -> None:
     with os.fdopen(write_end, "w") as stream:
         up.say("meshserve: stopping...", stream)
         up.say("meshserve: again", stream)
+
+
+def test_engine_flags_reach_every_service_that_uses_them() -> None:
+    ns = _parse(
+        "/models/smol",
+        "--max-num-seqs",
+        "256",
+        "--max-num-batched-tokens",
+        "4096",
+        "-tp",
+        "2",
+        "--block-size",
+        "32",
+        "--seed",
+        "7",
+        "--served-model-name",
+        "smol",
+        "alias",
+        "--api-key",
+        "k1",
+        "--api-key",
+        "k2",
+        "--log-level",
+        "debug",
+    )
+    assert up.model_argument(ns) == "/models/smol"
+    worker, scheduler, gateway = up.worker_args(ns), up.scheduler_args(ns), up.gateway_args(ns)
+    for flags, flag, value in (
+        (worker, "--max-num-seqs", "256"),
+        (worker, "--max-num-batched-tokens", "4096"),
+        (scheduler, "--max-num-seqs", "256"),
+        (worker, "--tensor-parallel-size", "2"),
+        (worker, "--block-size", "32"),
+        (worker, "--seed", "7"),
+    ):
+        assert flags[flags.index(flag) + 1] == value, (flag, flags)
+    assert gateway[gateway.index("--served-model-name") + 1 :][:2] == ["smol", "alias"]
+    assert [gateway[i + 1] for i, f in enumerate(gateway) if f == "--api-key"] == ["k1", "k2"]
+    assert up.common_args(ns) == ["--log-level", "debug"]
+
+
+def test_one_model_only() -> None:
+    assert up.model_argument(_parse("--model", "/m")) == "/m"
+    assert up.model_argument(_parse("/m", "--model", "/m")) == "/m"
+    with pytest.raises(ValueError, match="two models"):
+        up.model_argument(_parse("/a", "--model", "/b"))
+
+
+def test_metrics_ports_one_per_service() -> None:
+    from services.client.launcher import metrics_ports
+
+    assert metrics_ports(9000, 2) == {
+        "gateway": 9000,
+        "scheduler": 9001,
+        "kvstore": 9002,
+        "worker-0": 9003,
+        "worker-1": 9004,
+    }
