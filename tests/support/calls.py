@@ -19,6 +19,7 @@ class Answer:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
     finish_reason: int = sampling_pb2.FINISH_REASON_UNSPECIFIED
     usage: generation_pb2.Usage | None = None
     stop_reason: str = ""
@@ -33,6 +34,7 @@ async def stream(client: GenerationClient, request: generation_pb2.GenerateReque
         answer.messages += 1
         answer.text += response.text
         answer.token_ids.extend(response.token_ids)
+        answer.logprobs.extend(response.logprobs)
         if response.finish_reason:
             answer.finish_reason = response.finish_reason
             answer.usage = response.usage
