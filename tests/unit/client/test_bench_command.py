@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import sys
@@ -11,29 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import _build_parser
 from services.client.bench import command
 from services.client.bench.datasets import BenchRequest
 from services.client.bench.records import RequestRecord
+from tests.unit.client.bench_cli import bench_parse_error, parse_bench, tiny_model_config
 
-
-def _parse(*args: str) -> argparse.Namespace:
-    return _build_parser().parse_args(["bench", *args])
-
-
-def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        _parse(*args)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
+_parse = parse_bench
+_parse_error = bench_parse_error
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
-    return path
+    return tiny_model_config(tmp_path)
 
 
 def test_defaults() -> None:

@@ -4,7 +4,6 @@ server (a few lines of asyncio HTTP/1.1 with chunked SSE bodies, written here), 
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import io
 import json
@@ -16,7 +15,6 @@ from typing import Any
 
 import pytest
 
-from services.cli import _build_parser
 from services.client.bench import command
 from services.client.bench.datasets import BenchRequest, random_dataset, ratio_range, single_turns
 from services.client.bench.metrics import summarize
@@ -35,6 +33,7 @@ from services.client.bench.records import RequestRecord
 from services.client.bench.report import format_summary, print_summary
 from services.client.bench.runner import WarmupError
 from services.client.bench.sse import CompletionChunk, SSEDecoder, SSEEvent, error_body_text, parse_event
+from tests.unit.client.bench_cli import bench_parse_error, parse_bench, tiny_model_config
 
 # First prompt token ids that make the fake server misbehave (or behave like a particular server).
 FAIL_HTTP = 1
@@ -455,23 +454,13 @@ async def test_multi_turn_conversations_run_in_order(server: tuple[str, FakeOpen
 # --- the command ------------------------------------------------------------------------------------------
 
 
-def _parse(*args: str) -> argparse.Namespace:
-    return _build_parser().parse_args(["bench", *args])
-
-
-def _parse_error(capsys: pytest.CaptureFixture[str], *args: str) -> str:
-    with pytest.raises(SystemExit) as exc:
-        _parse(*args)
-    assert exc.value.code == 2
-    return capsys.readouterr().err
+_parse = parse_bench
+_parse_error = bench_parse_error
 
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> Path:
-    path = tmp_path / "model"
-    path.mkdir()
-    (path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
-    return path
+    return tiny_model_config(tmp_path)
 
 
 async def test_cli_against_the_fake_server(
