@@ -104,7 +104,13 @@ class Gateway:
                 registry=self.pipeline.metrics.registry,
             )
             self.http = HttpServer(
-                app, settings.host, settings.http_port, tls_cert=settings.tls_cert, tls_key=settings.tls_key
+                app,
+                settings.host,
+                settings.http_port,
+                tls_cert=settings.tls_cert,
+                tls_key=settings.tls_key,
+                # Room for every admitted request plus as many waiting to be refused with a 429.
+                max_connections=2 * settings.max_concurrent_requests,
             )
 
     async def _on_health_change(self, healthy: bool) -> None:

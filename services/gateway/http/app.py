@@ -45,6 +45,10 @@ log = structlog.get_logger()
 BODY_READ_TIMEOUT_S = 30.0
 # Larger bodies are parsed and converted on the executor, so that one huge request never stalls the loop.
 INLINE_PARSE_BYTES = 64 * 1024
+# Bodies read and parsed at once. Bodies arrive before a request can take an admission slot, so without
+# this a flood of slow 4 MiB uploads would hold connections x 4 MiB; with it the gateway holds at most
+# this many bodies (256 MiB at the cap), and the other connections wait holding nothing.
+MAX_BODIES_IN_FLIGHT = 64
 _SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
     "cache-control": "no-cache",
@@ -216,6 +220,7 @@ class _Api:
         self._executor = executor
         self._registry = registry
         self._body_limit = body_limit
+        self._body_slots = asyncio.Semaphore(MAX_BODIES_IN_FLIGHT)
         self._texts = TokenTexts(pipeline.tokenizer)
         self._created = int(time.time())
 
@@ -245,8 +250,10 @@ class _Api:
             if client_id is not None:
                 check_request_id(client_id, METADATA_KEY)
                 headers[METADATA_KEY] = client_id
-            raw = await read_body(request, self._body_limit)
-            job = await self._parse(raw, model, convert)
+            async with self._body_slots:
+                raw = await read_body(request, self._body_limit)
+                job = await self._parse(raw, model, convert)
+                del raw  # the slot bounds the bytes held, so they go with it
         except InvalidField as err:
             self.pipeline.metrics.requests_rejected.inc()
             return from_invalid_field(err).response(headers)

@@ -52,8 +52,18 @@ class HttpServer:
     """One uvicorn server for `app` on host:port, run as a task of the current loop."""
 
     def __init__(
-        self, app: ASGIApp, host: str, port: int, *, tls_cert: str | None = None, tls_key: str | None = None
+        self,
+        app: ASGIApp,
+        host: str,
+        port: int,
+        *,
+        tls_cert: str | None = None,
+        tls_key: str | None = None,
+        max_connections: int | None = None,
     ) -> None:
+        # Past max_connections open connections uvicorn answers 503 at once, so a connection flood costs a
+        # bounded number of tasks and buffers.
+        self._max_connections = max_connections
         # With the gateway's --tls-cert/--tls-key the HTTP front serves HTTPS too: a plaintext port beside a
         # TLS gRPC port would undo the TLS.
         self._tls = {"ssl_certfile": tls_cert, "ssl_keyfile": tls_key} if tls_cert and tls_key else {}
@@ -79,6 +89,7 @@ class HttpServer:
             proxy_headers=False,
             server_header=False,
             timeout_graceful_shutdown=SHUTDOWN_TIMEOUT_S,
+            limit_concurrency=self._max_connections,
             **self._tls,  # type: ignore[arg-type]
         )
         self._server = _Server(config)
