@@ -109,8 +109,8 @@ class Gateway:
                 settings.http_port,
                 tls_cert=settings.tls_cert,
                 tls_key=settings.tls_key,
-                # Room for every admitted request plus as many waiting to be refused with a 429.
-                max_connections=2 * settings.max_concurrent_requests,
+                # Room for every admitted request, as many again (and some) to be refused with a clean 429.
+                max_connections=2 * settings.max_concurrent_requests + 128,
             )
 
     async def _on_health_change(self, healthy: bool) -> None:

@@ -45,10 +45,35 @@ log = structlog.get_logger()
 BODY_READ_TIMEOUT_S = 30.0
 # Larger bodies are parsed and converted on the executor, so that one huge request never stalls the loop.
 INLINE_PARSE_BYTES = 64 * 1024
-# Bodies read and parsed at once. Bodies arrive before a request can take an admission slot, so without
-# this a flood of slow 4 MiB uploads would hold connections x 4 MiB; with it the gateway holds at most
-# this many bodies (256 MiB at the cap), and the other connections wait holding nothing.
-MAX_BODIES_IN_FLIGHT = 64
+# Bytes of request bodies the gateway holds at once, summed over every connection. Bodies arrive before a
+# request can take an admission slot, so without a budget a flood of slow 4 MiB uploads would hold
+# connections x 4 MiB. A body that does not fit is refused at once (429 with Retry-After) rather than
+# queued: a queue would let a few slow uploaders stall every small request behind them.
+BODY_BUDGET_BYTES = 256 * 1024 * 1024
+
+
+class BodyBudget:
+    """Counts the body bytes held; take() refuses what would pass the budget."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.held = 0
+
+    def take(self, n: int) -> None:
+        if self.held + n > self.limit:
+            raise OpenAIError(
+                429,
+                f"the gateway is receiving {self.limit} bytes of request bodies already; retry shortly",
+                None,
+                "too_many_requests",
+                retry_after=1.0,
+            )
+        self.held += n
+
+    def give(self, n: int) -> None:
+        self.held -= n
+
+
 _SSE_HEADERS = {
     "content-type": "text/event-stream; charset=utf-8",
     "cache-control": "no-cache",
@@ -71,8 +96,9 @@ def _peer(request: Request) -> str:
     return client_key(f"ipv6:[{host}]:{client.port}" if ":" in host else f"ipv4:{host}:{client.port}")
 
 
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refused with 413 past `limit` bytes: by Content-Length before reading, else while reading."""
+async def read_body(request: Request, limit: int, budget: BodyBudget) -> tuple[bytes, int]:
+    """The whole body and the bytes it took from `budget` (the caller gives them back), refused with 413 past
+    `limit` bytes: by Content-Length before reading, else while reading."""
     too_large = OpenAIError(
         413, f"the request body is larger than {limit} bytes; send a shorter prompt", None, "request_too_large"
     )
@@ -89,12 +115,17 @@ async def read_body(request: Request, limit: int) -> bytes:
                 size += len(chunk)
                 if size > limit:
                     raise too_large
+                budget.take(len(chunk))
                 chunks.append(chunk)
     except TimeoutError:
+        budget.give(sum(len(c) for c in chunks))
         raise OpenAIError(
             408, f"the request body took more than {BODY_READ_TIMEOUT_S:g}s to arrive", None, "request_timeout"
         ) from None
-    return b"".join(chunks)
+    except BaseException:  # too large, over budget, the client gone: what was taken goes back
+        budget.give(sum(len(c) for c in chunks))
+        raise
+    return b"".join(chunks), size
 
 
 async def _disconnected(receive: Receive) -> None:
@@ -214,13 +245,14 @@ class _Api:
         write_timeout: float,
         registry: CollectorRegistry,
         body_limit: int,
+        body_budget: int,
     ) -> None:
         self.pipeline = pipeline
         self.write_timeout = write_timeout
         self._executor = executor
         self._registry = registry
         self._body_limit = body_limit
-        self._body_slots = asyncio.Semaphore(MAX_BODIES_IN_FLIGHT)
+        self._bodies = BodyBudget(body_budget)
         self._texts = TokenTexts(pipeline.tokenizer)
         self._created = int(time.time())
 
@@ -250,10 +282,12 @@ class _Api:
             if client_id is not None:
                 check_request_id(client_id, METADATA_KEY)
                 headers[METADATA_KEY] = client_id
-            async with self._body_slots:
-                raw = await read_body(request, self._body_limit)
+            raw, held = await read_body(request, self._body_limit, self._bodies)
+            try:
                 job = await self._parse(raw, model, convert)
-                del raw  # the slot bounds the bytes held, so they go with it
+            finally:
+                del raw
+                self._bodies.give(held)
         except InvalidField as err:
             self.pipeline.metrics.requests_rejected.inc()
             return from_invalid_field(err).response(headers)
@@ -319,9 +353,17 @@ def create_app(
     write_timeout: float,
     registry: CollectorRegistry,
     body_limit: int = PUBLIC_MAX_RECEIVE_MESSAGE_BYTES,
+    body_budget: int = BODY_BUDGET_BYTES,
 ) -> Starlette:
     """The ASGI app of the OpenAI front; `registry` is the one the gateway's metrics live in."""
-    api = _Api(pipeline, executor, write_timeout=write_timeout, registry=registry, body_limit=body_limit)
+    api = _Api(
+        pipeline,
+        executor,
+        write_timeout=write_timeout,
+        registry=registry,
+        body_limit=body_limit,
+        body_budget=body_budget,
+    )
     routes = [
         Route("/v1/completions", api.completions, methods=["POST"]),
         Route("/v1/chat/completions", api.chat, methods=["POST"]),

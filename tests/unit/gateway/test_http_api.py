@@ -597,3 +597,45 @@ async def test_drain_lets_streams_finish_and_refuses_new_requests(tok: TextToken
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         await asyncio.wait_for(stopped, timeout=20)
         assert fake.aborted == []
+
+
+async def test_slow_uploads_hold_a_bounded_budget_and_small_requests_still_pass(tok: TextTokenizer) -> None:
+    fake = FakeScheduler()
+    async with running_gateway(tok, [fake], http_port=0) as gateway:
+        app = create_app(
+            gateway.pipeline,
+            gateway._executor,
+            write_timeout=5,
+            registry=gateway.pipeline.metrics.registry,
+            body_budget=200_000,
+        )
+        server = HttpServer(app, "127.0.0.1", 0)
+        port = await server.start()
+        slow: list[asyncio.StreamWriter] = []
+        try:
+            # Three uploaders announce 1 MB each and send 60 kB, then stall: 180 kB of the 200 kB budget.
+            for _ in range(3):
+                _, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                    b"content-length: 1000000\r\n\r\n" + b" " * 60_000
+                )
+                await writer.drain()
+                slow.append(writer)
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
+                # A body that does not fit what is left is refused at once, with retry advice...
+                big = await client.post("/v1/completions", json={"prompt": "x" * 50_000, "max_tokens": 2})
+                assert big.status_code == 429 and big.headers["retry-after"] == "1", big.text
+                # ...while a small request is served: the stalled uploads hold bytes, not a queue.
+                small = await client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2})
+                assert small.status_code == 200, small.text
+            for writer in slow:
+                writer.close()
+            await asyncio.sleep(0.3)
+            async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=20) as client:
+                again = await client.post("/v1/completions", json={"prompt": "x" * 50_000, "max_tokens": 2})
+                # The budget came back when they left: this body is read whole, and judged on its content.
+                assert again.status_code == 400 and "--max-model-len" in again.text, again.text
+        finally:
+            await server.stop()
