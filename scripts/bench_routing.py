@@ -167,10 +167,14 @@ class SuiteSpec:
     max_model_len: int
     # A kvstore (memory backend) shared by the workers.
     kv_store: bool = False
+    # More scheduler flags, the same for every suite of a run (e.g. --long-prefill-token-threshold 256).
+    scheduler_args: tuple[str, ...] = ()
 
     def describe(self) -> str:
         store = ", kvstore on" if self.kv_store else ""
-        return f"{self.num_workers} worker(s), --routing {self.routing}, {self.worker_threads} thread(s) each{store}"
+        extra = f", scheduler {' '.join(self.scheduler_args)}" if self.scheduler_args else ""
+        threads = f"{self.worker_threads} thread(s) each"
+        return f"{self.num_workers} worker(s), --routing {self.routing}, {threads}{store}{extra}"
 
 
 class Suite:
@@ -193,7 +197,7 @@ class Suite:
                 scheduler_port=free_port(),
                 worker_ports=[free_port() for _ in range(spec.num_workers)],
                 gateway_port=free_port(),
-                scheduler_args=["--routing", spec.routing],
+                scheduler_args=["--routing", spec.routing, *spec.scheduler_args],
                 worker_args=["--kv-cache-memory", spec.kv_cache_memory, "--max-model-len", str(spec.max_model_len)],
                 kv_store_port=free_port() if spec.kv_store else None,
             )
@@ -536,6 +540,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--kv-cache-memory", default=None, help="each worker's --kv-cache-memory (default: the plan's)")
     parser.add_argument(
+        "--scheduler-arg",
+        action="append",
+        default=[],
+        help="a flag for every suite's scheduler, the same on both sides (repeatable; e.g. "
+        "--scheduler-arg=--long-prefill-token-threshold --scheduler-arg=256)",
+    )
+    parser.add_argument(
         "--repeat",
         type=int,
         default=None,
@@ -624,7 +635,14 @@ def run_throughput(ns: argparse.Namespace, plan: Plan, model_dir: Path, vocab: i
 def suite_spec(ns: argparse.Namespace, plan: Plan, num_workers: int, routing: str) -> SuiteSpec:
     """The suite of one run: the plan's KV cache, the cores split between the workers."""
     threads = threads_per_worker(ns.cores, num_workers)
-    return SuiteSpec(num_workers, routing, threads, ns.kv_cache_memory or plan.kv_cache_memory, plan.max_model_len)
+    return SuiteSpec(
+        num_workers,
+        routing,
+        threads,
+        ns.kv_cache_memory or plan.kv_cache_memory,
+        plan.max_model_len,
+        scheduler_args=tuple(ns.scheduler_arg),
+    )
 
 
 def warmup_requests(vocab: int) -> list[BenchRequest]:

@@ -84,6 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=None)
     parser.add_argument("--max-num-batched-tokens", type=int, default=None)
     parser.add_argument(
+        "--long-prefill-token-threshold", type=int, default=None, help="most prompt tokens per request per step"
+    )
+    parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(scheduler default: on)"
     )
     parser.add_argument(
@@ -133,6 +136,7 @@ def scheduler_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--max-model-len", ns.max_model_len),
         *_optional("--max-num-seqs", ns.max_num_seqs),
         *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
+        *_optional("--long-prefill-token-threshold", ns.long_prefill_token_threshold),
         *_prefix_caching(ns.enable_prefix_caching),
         *_optional("--routing", ns.routing),
         *_optional("--preemption-mode", ns.preemption_mode),

@@ -121,6 +121,7 @@ class Cluster:
             depth=2 if s.async_scheduling else 1,
             listener=WorkerMetrics(self.metrics, hello.worker_id),
             kv_store=self._kv_store_use(hello),
+            long_prefill_token_threshold=s.long_prefill_token_threshold,
         )
         self.workers[hello.worker_id] = worker
         log.info(

@@ -75,6 +75,7 @@ class WorkerLoop:
         depth: int,
         listener: PlannerListener | None = None,
         kv_store: KVStoreUse | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> WorkerLoop:
         planner = WorkerScheduler(
             worker_id=hello.worker_id,
@@ -87,6 +88,7 @@ class WorkerLoop:
             waiting=WaitingQueue(),
             listener=listener,
             kv_store=kv_store,
+            long_prefill_token_threshold=long_prefill_token_threshold,
         )
         return cls(hello=hello, planner=planner, depth=depth)
 

@@ -22,6 +22,12 @@ class SchedulerSettings(ServiceSettings):
         None, description="longest prompt + output; unset: the smallest a worker reports", ge=2
     )
     enable_prefix_caching: bool = Field(True, description="reuse KV blocks of shared prompt prefixes")
+    long_prefill_token_threshold: int = Field(
+        0,
+        description="most prompt tokens one request computes per step (vLLM's flag), so a long prefill is "
+        "chunked and short turns and decodes between its chunks are not held up; 0: off (up to the step budget)",
+        ge=0,
+    )
     async_scheduling: bool = Field(
         True, description="send each worker its next step before the current one answers (hides the round trip)"
     )

@@ -126,6 +126,7 @@ class WorkerScheduler:
         waiting: WaitingQueue,
         listener: PlannerListener | None = None,
         kv_store: KVStoreUse | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -133,6 +134,7 @@ class WorkerScheduler:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.waiting = waiting
         self.listener = listener
@@ -192,7 +194,7 @@ class WorkerScheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens_with_pending - request.num_computed_tokens, budget)
+            num_new = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if num_new <= 0 or request.num_output_tokens + request.num_pending_samples >= request.max_tokens:
                 # Nothing to compute yet, or the token in flight is its last one.
                 i += 1
@@ -221,7 +223,7 @@ class WorkerScheduler:
                 size = new_request_bytes(request)
                 if planned_new and new_bytes + size > STEP_NEW_REQUEST_BYTES:
                     break
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                num_new = self._chunk(request.num_tokens - request.num_computed_tokens, budget)
                 new_ids = self.kv.allocate_slots(request, num_new)
                 if new_ids is None:
                     break
@@ -255,7 +257,7 @@ class WorkerScheduler:
                     self._count_lookup(request, num_hit)
                     self._begin_load(request, len(hits), num_load)
                     continue
-                num_new = min(request.num_tokens - num_hit, budget)
+                num_new = self._chunk(request.num_tokens - num_hit, budget)
                 new_ids = self.kv.allocate_slots(request, num_new, hits)
                 if new_ids is None:
                     break
@@ -379,6 +381,14 @@ class WorkerScheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_samples = 0
+
+    def _chunk(self, num_left: int, budget: int) -> int:
+        """Tokens of a request to compute in this step: what is left, within the step's budget and, as in
+        vLLM, at most --long-prefill-token-threshold when set."""
+        threshold = self.long_prefill_token_threshold
+        if 0 < threshold < num_left:
+            num_left = threshold
+        return min(num_left, budget)
 
     def _build_step(self, planned_running: list[_Planned], planned_new: list[_Planned]) -> worker_pb2.Step:
         step = worker_pb2.Step(step_id=self._next_step_id, removed_request_ids=self._pending_removals)

@@ -54,6 +54,30 @@ def run_to_completion(sched: WorkerScheduler, worker: FakeWorker, max_steps: int
     raise AssertionError("scheduler did not go idle")
 
 
+def test_long_prefill_threshold_chunks_a_long_prompt_and_lets_a_short_one_through() -> None:
+    waiting = WaitingQueue()
+    sched = make_sched(waiting, max_num_batched_tokens=64)
+    sched.long_prefill_token_threshold = 12
+    worker = FakeWorker()
+    long, short = make_req("long", list(range(10, 50)), max_tokens=2), make_req("short", [7, 8, 9], max_tokens=2)
+    waiting.append(long)
+    waiting.append(short)
+    step, _ = step_once(sched, worker)
+    assert step is not None
+    # Without the threshold the 40-token prompt would take the whole step alone; with it, 12 tokens a step,
+    # and the short prompt runs (and gets its first token) in the same step.
+    assert {r.request_id: r.num_scheduled_tokens for r in step.new_requests} == {"long": 12, "short": 3}
+    assert short.output_token_ids and not long.output_token_ids
+    chunks = [12]
+    while not long.output_token_ids:
+        step, _ = step_once(sched, worker)
+        assert step is not None
+        chunks += [r.num_scheduled_tokens for r in step.scheduled if r.request_id == "long"]
+    assert chunks == [12, 12, 12, 4]
+    run_to_completion(sched, worker)
+    assert long.output_token_ids[0] == default_next_token(long.prompt_token_ids) and len(long.output_token_ids) == 2
+
+
 def test_idle_scheduler_returns_none() -> None:
     sched = make_sched()
     assert sched.schedule() is None
