@@ -79,6 +79,7 @@ def test_ratios_and_tables() -> None:
         "kv_cache_memory": "1GiB",
         "max_model_len": 4096,
         "kv_store": False,
+        "scheduler_args": (),
     }
     assert br.ratio(1.0, 0.0) == float("inf")
     slower = _run(br, "kv", 2, [0.5], 30.0)
