@@ -253,7 +253,7 @@ class GenerationPipeline:
             return None
         # Unset max_tokens reserves what the model length leaves; the limiter caps a reservation at one
         # minute's budget and record() settles the difference once the request ends.
-        max_new = resolved.sampling.max_tokens if resolved.sampling.HasField("max_tokens") else self._room(resolved)
+        max_new = resolved.sampling.max_tokens if resolved.sampling.HasField("max_tokens") else resolved.room
         decision = await self.rate_limiter.admit(caller, len(resolved.prompt_token_ids), resolved.n * max_new)
         if not decision.allowed:
             self.metrics.requests_refused.labels(reason="rate_limit").inc()
@@ -263,10 +263,6 @@ class GenerationPipeline:
                 )
             )
         return decision
-
-    def _room(self, resolved: ResolvedRequest) -> int:
-        limits = self.pool.limits()
-        return max(0, (limits.max_model_len if limits else 0) - len(resolved.prompt_token_ids))
 
     async def _run(
         self, request: generation_pb2.GenerateRequest, call: Call, caller: str

@@ -47,12 +47,11 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import structlog
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+
+from services.common.redis_pool import bounded_redis
 
 log = structlog.get_logger()
 
@@ -323,18 +322,13 @@ class RedisRateLimiter:
         self._down_since: float | None = None  # monotonic time of the failure that began the outage
         self._retry_at = 0.0  # monotonic: before this, Redis is not tried
         self._probing = False
-        pool = BlockingConnectionPool.from_url(
+        self._redis: Redis = bounded_redis(
             url,
             max_connections=max_connections,
-            timeout=timeout_s,
-            socket_timeout=timeout_s,
-            socket_connect_timeout=timeout_s / 2,
-            # One retry of a broken connection (every pooled connection is stale once after Redis
-            # restarts); timeouts are not retried. The whole call is bounded by timeout_s anyway.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            timeout_s=timeout_s,
+            pool_timeout_s=timeout_s,
             client_name="meshserve-gateway-ratelimit",
         )
-        self._redis: Redis = Redis.from_pool(pool)
         self._admit_script = self._redis.register_script(_ADMIT_LUA)
         self._record_script = self._redis.register_script(_RECORD_LUA)
         self._args = (

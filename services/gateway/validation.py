@@ -74,6 +74,13 @@ class ResolvedRequest:
     input_kind: str
     # Independent samples to generate (GenerateRequest.n).
     n: int = 1
+    # The model length it was checked against: prompt + output must fit in it.
+    max_model_len: int = 0
+
+    @property
+    def room(self) -> int:
+        """The most tokens one sample may generate."""
+        return max(0, self.max_model_len - len(self.prompt_token_ids))
 
 
 def _length_field(kind: str) -> str:
@@ -160,7 +167,9 @@ def finish(
     sp.CopyFrom(req.sampling)
     defaults.apply(sp)
     n = req.n if req.HasField("n") else 1
-    return ResolvedRequest(prompt_token_ids=prompt_ids, sampling=sp, input_kind=checked.kind, n=n)
+    return ResolvedRequest(
+        prompt_token_ids=prompt_ids, sampling=sp, input_kind=checked.kind, n=n, max_model_len=limits.max_model_len
+    )
 
 
 def validate_and_resolve(

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.retry import Retry
-from redis.backoff import NoBackoff
+from redis.asyncio import Redis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from services.common.redis_pool import bounded_redis
 from services.kvstore.backend import BackendStats, BackendUnavailable, PutOutcome
 from services.kvstore.settings import LOOKUP_BATCH_KEYS, REDIS_POOL_TIMEOUT_S
 
@@ -30,21 +29,13 @@ class RedisBackend:
 
     def __init__(self, url: str, *, max_connections: int, timeout_s: float, ttl_seconds: int) -> None:
         """timeout_s bounds each call; ttl_seconds 0 stores blocks without expiry."""
-        pool = BlockingConnectionPool.from_url(
+        self._redis: Redis = bounded_redis(
             url,
             max_connections=max_connections,
-            timeout=REDIS_POOL_TIMEOUT_S,
-            socket_timeout=timeout_s,
-            # Half, because a failed connect is tried once more (below): a dead Redis still answers
-            # within about timeout_s.
-            socket_connect_timeout=timeout_s / 2,
-            # One retry on a broken connection only: after Redis restarts, every pooled connection
-            # is stale and fails once, which must not read as Redis being down. Timeouts are not
-            # retried, or a hung Redis would take twice as long to be noticed.
-            retry=Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,)),
+            timeout_s=timeout_s,
+            pool_timeout_s=REDIS_POOL_TIMEOUT_S,
             client_name="meshserve-kvstore",
         )
-        self._redis: Redis = Redis.from_pool(pool)
         self._ttl = ttl_seconds or None
 
     @property

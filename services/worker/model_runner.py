@@ -97,7 +97,8 @@ class ModelRunner:
         )
         self.batch = InputBatch()
         self.sampler = Sampler(config.seed)
-        # Rank 0 samples, so it alone holds grammar matchers; None when the model has no tokenizer.json.
+        # Rank 0 samples, so it alone holds grammar matchers; None when the model has no tokenizer.json. Built
+        # here (~0.5 s for the token trie), not on the first constrained request: that would stall its whole step.
         self.grammar: GrammarEngine | None = self._grammar_engine(source, arch.vocab_size)
         # Without a kvstore, loads a scheduler sends anyway are answered as done with nothing loaded, in the
         # next result (one that a refused step does not get).
@@ -424,7 +425,9 @@ class ModelRunner:
                 SampleRequest(r.sampling_options, r.num_output_tokens, r.token_ids, r.num_prompt_tokens) for r in rows
             ]
             try:
-                allowed = self._allowed(rows)
+                # A request whose grammar failed has no matcher (failure set instead): sampled unmasked, dropped.
+                constrained = self.grammar is not None and any(r.grammar is not None for r in rows)
+                allowed = self._allowed(rows) if constrained else None
                 sampled = self.sampler.sample(logits, requests, allowed)
             except Exception:
                 # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
@@ -432,7 +435,8 @@ class ModelRunner:
                 raise
             token_ids = [s.token_id for s in sampled]
             extras = list(sampled)
-            self._advance_grammars(rows, token_ids)
+            if constrained:
+                self._advance_grammars(rows, token_ids)
         # Every rank appends the same tokens so their persistent batches stay identical.
         token_ids = self.tp.broadcast_ints(token_ids, len(sample_work))
         if SAMPLING_FAILED in token_ids:
@@ -452,20 +456,19 @@ class ModelRunner:
 
     def _allowed(self, rows: Sequence[CachedRequest]) -> torch.Tensor | None:
         """The grammar masks of the rows being sampled (None when none is constrained)."""
-        if self.grammar is None:
-            return None
-        matchers = [r.grammar if r.failure is None else None for r in rows]
-        return self.grammar.fill_allowed(matchers)
+        assert self.grammar is not None
+        return self.grammar.fill_allowed([r.grammar for r in rows])
 
     def _advance_grammars(self, rows: Sequence[CachedRequest], token_ids: Sequence[int]) -> None:
         for request, token_id in zip(rows, token_ids, strict=True):
-            if request.grammar is None or request.failure is not None:
+            if request.grammar is None:
                 continue
             try:
                 request.grammar.accept(token_id)
             except GrammarError as err:
                 # Only if a mask was not applied; the request fails alone, the step goes on.
                 request.failure = ("", f"the sampled token broke the grammar: {err}")
+                request.grammar = None
 
     def forward(
         self,
