@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_VERSION := 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install kernels protos lint typecheck test test-fast up clean
+.PHONY: install kernels protos lint typecheck deploy-tools test test-fast up clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -32,7 +32,13 @@ lint: install
 typecheck: install
 	$(VENV)/bin/mypy
 
-test: lint typecheck kernels
+# promtool and a Prometheus server for the deploy/ and metrics tests, from Debian's package (CI's machine
+# may be fresh; a no-op where promtool is on PATH already).
+deploy-tools:
+	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus)
+
+test: lint typecheck kernels deploy-tools
 	$(PY) -m pytest -ra --durations=15 $(PYTEST_ARGS)
 
 test-fast: kernels
