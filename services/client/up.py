@@ -166,6 +166,8 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
         *_optional("--block-size", ns.block_size),
         *_optional("--seed", ns.seed),
+        # The name every service's metrics carry as model_name (the gateway's first served name).
+        *_optional("--served-model-name", ns.served_model_name[0] if ns.served_model_name else None),
     ]
 
 

@@ -11,11 +11,15 @@ import grpc
 import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
-from prometheus_client import start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry
 
 from services.common.internal_auth import InternalTokenInterceptor
+from services.common.metrics.exposition import ConstantLabels, Exposition
+from services.common.metrics.grpc_metrics import process_grpc_server_metrics
+from services.common.metrics.metrics_server import MetricsServer
 from services.common.reflection import enable_server_reflection
 from services.common.request_context import RequestIdInterceptor
+from services.common.rpc_observer import RpcObserver
 from services.common.settings import ServiceSettings
 from services.common.tls import Security, TLSConfigError, load_security
 
@@ -82,17 +86,26 @@ class GrpcService:
         max_receive_message_bytes: int = MAX_MESSAGE_BYTES,
         interceptors: Sequence[grpc.aio.ServerInterceptor] | None = None,
         public: bool = False,
+        metric_labels: ConstantLabels | None = None,
+        metric_registry: CollectorRegistry = REGISTRY,
     ) -> None:
         """`interceptors` None: the standard RequestIdInterceptor (the gateway binds its own ids).
 
         `public`: the gateway's port, which neither checks the internal token nor (unless
-        --tls-client-auth require) asks for client certificates."""
+        --tls-client-auth require) asks for client certificates. `metric_labels`: labels every series
+        of this process carries (model_name, worker), read at each scrape."""
         self.name = name
         self.settings = settings
         self.service_names = list(service_names)
         self.public = public
         self.security = _load_security_or_exit(name, settings)
+        # What /metrics serves, on the metrics port and (gateway) the HTTP front.
+        self.exposition = Exposition(
+            (REGISTRY, metric_registry), constant_labels=metric_labels, vllm_alias=settings.metrics_vllm_alias
+        )
         chain = [RequestIdInterceptor()] if interceptors is None else list(interceptors)
+        # Innermost: its access line is written inside the request id's binding.
+        chain.append(RpcObserver(process_grpc_server_metrics()))
         if self.security.token is not None and not public:
             # First: a call without the token reaches nothing else.
             chain.insert(0, InternalTokenInterceptor(self.security.token))
@@ -104,6 +117,7 @@ class GrpcService:
             [*self.service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name], self.server
         )
         self.port = 0
+        self.metrics_server: MetricsServer | None = None
         self._stop = asyncio.Event()
 
     async def start(self) -> int:
@@ -118,7 +132,14 @@ class GrpcService:
             raise RuntimeError(f"cannot listen on {self.settings.address}: is the port taken? choose another --port")
         await self.server.start()
         if self.settings.metrics_port:
-            start_http_server(self.settings.metrics_port, addr=self.settings.host)
+            try:
+                self.metrics_server = MetricsServer(self.exposition, self.settings.host, self.settings.metrics_port)
+            except OSError as err:
+                raise RuntimeError(
+                    f"cannot serve metrics on {self.settings.host}:{self.settings.metrics_port} ({err.strerror}): "
+                    "is the port taken? choose another --metrics-port"
+                ) from None
+            self.metrics_server.start()
         log.info(
             "listening",
             service=self.name,

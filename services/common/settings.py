@@ -28,6 +28,11 @@ class ServiceSettings(BaseSettings):
     host: str = Field("127.0.0.1", description="address to listen on (0.0.0.0 in containers)")
     port: int = Field(0, description="gRPC port", ge=0, le=65535)
     metrics_port: int = Field(0, description="Prometheus /metrics HTTP port (0: off)", ge=0, le=65535)
+    metrics_vllm_alias: bool = Field(
+        False,
+        description="also export every metric vLLM has under its vllm: name (for vLLM dashboards and the "
+        "Gateway API Inference Extension)",
+    )
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="log level")
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="log format (auto: console on a terminal, JSON otherwise)"

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import AsyncGenerator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -30,9 +29,10 @@ from services.common.errors import (
 from services.common.grammar_check import check_grammar, is_constrained
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from services.common.request_context import bound_request_id
+from services.common.rpc_observer import annotate_call
 from services.gateway.admission import Admission
 from services.gateway.api_keys import ApiKeys
-from services.gateway.metrics import GatewayMetrics
+from services.gateway.metrics import GatewayMetrics, RequestTimer
 from services.gateway.output import OutputProcessor
 from services.gateway.rate_limit import Decision, RateLimiter
 from services.gateway.request_ids import RequestIds
@@ -164,24 +164,46 @@ class GenerationPipeline:
 
         Iterate it with contextlib.aclosing: closing it early aborts the samples still running.
         """
-        self.refuse_if_draining()
-        caller = self.authenticate(call.authorization) or call.client
-        self.check_model(request.model)
-        refusal = self.admission.try_acquire(call.client)
-        if refusal is not None:
-            self.metrics.requests_refused.labels(reason="concurrency").inc()
-            raise StatusError(
-                retry_status(
-                    grpc.StatusCode.RESOURCE_EXHAUSTED, refusal.message, refusal.retry_after, Reason.TOO_MANY_REQUESTS
+        try:
+            self.refuse_if_draining()
+            caller = self.authenticate(call.authorization) or call.client
+            self.check_model(request.model)
+            refusal = self.admission.try_acquire(call.client)
+            if refusal is not None:
+                self.metrics.requests_refused.labels(reason="concurrency").inc()
+                raise StatusError(
+                    retry_status(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        refusal.message,
+                        refusal.retry_after,
+                        Reason.TOO_MANY_REQUESTS,
+                    )
                 )
+        except StatusError as err:
+            self.metrics.errored(err.status.code)
+            log.info(
+                "request refused", request_id=call.ids.internal, code=err.status.code.name, error=err.status.details
             )
+            raise
         try:
             client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
             with bound_request_id(call.ids.internal, **client_id):
                 async for response in self._run(request, call, caller):
                     yield response
+        except StatusError as err:
+            self.metrics.errored(err.status.code)
+            log.info(
+                "request failed", request_id=call.ids.internal, code=err.status.code.name, error=err.status.details
+            )
+            raise
         finally:
             self.admission.release(call.client)
+
+    def _failed(self, event: str, call: Call, err: StatusError) -> None:
+        """Count and log a request that ends with an error status (refused before it started, or later)."""
+        self.metrics.errored(err.status.code)
+        annotate_call(request_id=call.ids.internal)
+        log.info(event, request_id=call.ids.internal, code=err.status.code.name, error=err.status.details)
 
     def _limits(self) -> Limits:
         model = self.pool.limits()
@@ -253,8 +275,9 @@ class GenerationPipeline:
             return None
         # Unset max_tokens reserves what the model length leaves; the limiter caps a reservation at one
         # minute's budget and record() settles the difference once the request ends.
-        max_new = resolved.sampling.max_tokens if resolved.sampling.HasField("max_tokens") else resolved.room
-        decision = await self.rate_limiter.admit(caller, len(resolved.prompt_token_ids), resolved.n * max_new)
+        decision = await self.rate_limiter.admit(
+            caller, len(resolved.prompt_token_ids), resolved.n * resolved.max_new_tokens
+        )
         if not decision.allowed:
             self.metrics.requests_refused.labels(reason="rate_limit").inc()
             raise StatusError(
@@ -282,16 +305,18 @@ class GenerationPipeline:
             scheduler=backend.address,
             client=call.client,
         )
-        self.metrics.requests_started.inc()
+        timer = self.metrics.request(resolved.n, resolved.max_new_tokens, len(resolved.prompt_token_ids))
+        annotate_call(request_id=ids.internal, prompt_tokens=len(resolved.prompt_token_ids))
         samples = [
             _Sample(i, s.request_id, backend.stream.submit(s), self._output(resolved, i))
             for i, s in enumerate(submissions)
         ]
-        started, first_token_at, first = time.monotonic(), None, True
+        first, failed = True, False
         try:
             async with contextlib.aclosing(_events(samples)) as events:
                 async for sample, event in events:
                     if event.HasField("error"):
+                        failed = True
                         raise StatusError(request_error_status(event.error))
                     out = sample.output.process(event.tokens)
                     if out.stopped_by_string:
@@ -299,30 +324,30 @@ class GenerationPipeline:
                     if first:
                         out.response.request_id = ids.public
                         first = False
-                    if out.response.token_ids and first_token_at is None:
-                        first_token_at = time.monotonic()
-                        self.metrics.time_to_first_token.observe(first_token_at - started)
+                    timer.tokens_sent(sample.index, len(out.response.token_ids))
                     used += len(out.response.token_ids)
                     if out.final:
                         sample.done = True
-                        self._finished(out.response)
+                        self._finished(timer, out.response)
                     yield out.response
-            self.metrics.e2e_request_latency.observe(time.monotonic() - started)
+            timer.finished()
         finally:
+            annotate_call(completion_tokens=used - len(resolved.prompt_token_ids))
             unfinished = [s for s in samples if not s.done]
             for sample in unfinished:
                 # The client went away, was too slow, or the request failed: free its slot and KV blocks.
                 backend.stream.abort(sample.request_id)
-            if unfinished:
+            if unfinished and not failed:
                 self.metrics.requests_cancelled.inc()
+                log.info("request cancelled", unfinished_samples=len(unfinished))
             if charged is not None and self.rate_limiter is not None:
                 await self.rate_limiter.record(caller, charged.correction(used))
 
     def _output(self, resolved: ResolvedRequest, index: int) -> OutputProcessor:
         return OutputProcessor(self.tokenizer, resolved.prompt_token_ids, resolved.sampling, index)
 
-    def _finished(self, response: generation_pb2.GenerateResponse) -> None:
-        self.metrics.observe_finish(response.finish_reason, response.usage)
+    def _finished(self, timer: RequestTimer, response: generation_pb2.GenerateResponse) -> None:
+        timer.sample_finished(response.index, response.finish_reason, response.usage)
         log.info(
             "finished",
             index=response.index,

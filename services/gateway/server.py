@@ -9,6 +9,7 @@ import structlog
 
 from services.common.grpc_server import PUBLIC_MAX_RECEIVE_MESSAGE_BYTES, GrpcService
 from services.common.logs import configure_logging
+from services.common.metrics.names import MODEL_NAME_LABEL
 from services.common.model_paths import resolve_model_path
 from services.common.sampling_checks import InvalidField, check_eos_token_ids
 from services.gateway.admission import Admission
@@ -57,6 +58,7 @@ class Gateway:
         except InvalidField as err:
             raise ValueError(f"the model's tokenizer configuration lists too many eos ids: {err}") from err
         self.settings = settings
+        metrics = metrics or GatewayMetrics()
         # The gateway binds its own request ids (request_ids.py), so no RequestIdInterceptor here.
         self.service = GrpcService(
             "gateway",
@@ -65,6 +67,8 @@ class Gateway:
             max_receive_message_bytes=PUBLIC_MAX_RECEIVE_MESSAGE_BYTES,
             interceptors=(),
             public=True,
+            metric_labels=self._metric_labels,
+            metric_registry=metrics.registry,
         )
         self.pool = SchedulerPool(
             settings.scheduler_addresses,
@@ -86,7 +90,7 @@ class Gateway:
             self.pool,
             admission,
             self._executor,
-            metrics or GatewayMetrics(),
+            metrics,
             defaults=defaults,
             served_model_names=settings.served_model_name,
             api_keys=load_api_keys(settings),
@@ -101,7 +105,7 @@ class Gateway:
                 self.pipeline,
                 self._executor,
                 write_timeout=settings.stream_write_timeout,
-                registry=self.pipeline.metrics.registry,
+                exposition=self.service.exposition,
             )
             self.http = HttpServer(
                 app,
@@ -112,6 +116,11 @@ class Gateway:
                 # Room for every admitted request, as many again (and some) to be refused with a clean 429.
                 max_connections=2 * settings.max_concurrent_requests + 128,
             )
+
+    def _metric_labels(self) -> dict[str, str]:
+        # The name clients use: --served-model-name, else what the workers report (known once one attaches).
+        names = self.pipeline.model_names()
+        return {MODEL_NAME_LABEL: names[0] if names else ""}
 
     async def _on_health_change(self, healthy: bool) -> None:
         if self.service.stopping:

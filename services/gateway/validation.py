@@ -82,6 +82,11 @@ class ResolvedRequest:
         """The most tokens one sample may generate."""
         return max(0, self.max_model_len - len(self.prompt_token_ids))
 
+    @property
+    def max_new_tokens(self) -> int:
+        """What one sample may generate: max_tokens, or what the model length leaves when unset."""
+        return self.sampling.max_tokens if self.sampling.HasField("max_tokens") else self.room
+
 
 def _length_field(kind: str) -> str:
     return {"prompt": "prompt", "chat": "chat.messages", "token_ids": "token_ids.ids"}[kind]

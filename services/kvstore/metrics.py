@@ -1,4 +1,4 @@
-"""The store's counters: Prometheus metrics (meshserve_kvstore_*) and the same totals for the Stats RPC.
+"""The store's counters: Prometheus metrics (meshserve:kvstore_*) and the same totals for the Stats RPC.
 
 Every count is made through one method here, so /metrics and StoreStats never disagree.
 """
@@ -11,6 +11,7 @@ from typing import Literal
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.metrics.names import metric
 from services.kvstore.block_format import RejectReason
 from services.kvstore.staging import DropReason
 
@@ -28,52 +29,52 @@ class KVStoreMetrics:
     """All kvstore metrics, created once per process."""
 
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
-        self._hits = Counter("meshserve_kvstore_hits", "Blocks found, by RPC", ["rpc"], registry=registry)
+        self._hits = Counter(metric("kvstore_hits"), "Blocks found, by RPC", ["rpc"], registry=registry)
         self._misses = Counter(
-            "meshserve_kvstore_misses", "Blocks asked for and not found, by RPC", ["rpc"], registry=registry
+            metric("kvstore_misses"), "Blocks asked for and not found, by RPC", ["rpc"], registry=registry
         )
-        self._bytes_in = Counter("meshserve_kvstore_bytes_in", "Payload bytes received by Put", registry=registry)
-        self._bytes_out = Counter("meshserve_kvstore_bytes_out", "Payload bytes sent by Get", registry=registry)
+        self._bytes_in = Counter(metric("kvstore_bytes_in"), "Payload bytes received by Put", registry=registry)
+        self._bytes_out = Counter(metric("kvstore_bytes_out"), "Payload bytes sent by Get", registry=registry)
         self._evictions = Counter(
-            "meshserve_kvstore_evictions", "Blocks the memory backend evicted to stay in capacity", registry=registry
+            metric("kvstore_evictions"), "Blocks the memory backend evicted to stay in capacity", registry=registry
         )
         self._rejected = Counter(
-            "meshserve_kvstore_rejected_blocks",
+            metric("kvstore_rejected_blocks"),
             "Stored values that failed a check on read and were deleted, by reason",
             ["reason"],
             registry=registry,
         )
-        self._stored = Counter("meshserve_kvstore_blocks_stored", "Blocks stored", registry=registry)
+        self._stored = Counter(metric("kvstore_blocks_stored"), "Blocks stored", registry=registry)
         self._existing = Counter(
-            "meshserve_kvstore_blocks_existing", "Blocks put that were stored already", registry=registry
+            metric("kvstore_blocks_existing"), "Blocks put that were stored already", registry=registry
         )
         self._dropped = Counter(
-            "meshserve_kvstore_dropped_blocks", "Blocks put and not stored, by reason", ["reason"], registry=registry
+            metric("kvstore_dropped_blocks"), "Blocks put and not stored, by reason", ["reason"], registry=registry
         )
         self._staging_dropped = Counter(
-            "meshserve_kvstore_staging_dropped_slices",
+            metric("kvstore_staging_dropped_slices"),
             "Partial-block slices dropped from staging, by reason",
             ["reason"],
             registry=registry,
         )
         self._bad_requests = Counter(
-            "meshserve_kvstore_bad_requests", "Calls ended for bad input, by RPC", ["rpc"], registry=registry
+            metric("kvstore_bad_requests"), "Calls ended for bad input, by RPC", ["rpc"], registry=registry
         )
         self.backend_latency = Histogram(
-            "meshserve_kvstore_backend_latency_seconds",
+            metric("kvstore_backend_latency_seconds"),
             "Backend call latency, by operation",
             ["op"],
             buckets=_LATENCY_BUCKETS,
             registry=registry,
         )
         self.backend_serving = Gauge(
-            "meshserve_kvstore_backend_serving", "1 while the backend answers", registry=registry
+            metric("kvstore_backend_serving"), "1 while the backend answers", registry=registry
         )
         self.pending_slices = Gauge(
-            "meshserve_kvstore_pending_slices", "Slices waiting for their block's other heads", registry=registry
+            metric("kvstore_pending_slices"), "Slices waiting for their block's other heads", registry=registry
         )
         self.bytes_used = Gauge(
-            "meshserve_kvstore_bytes_used", "Bytes of stored values (memory backend)", registry=registry
+            metric("kvstore_bytes_used"), "Bytes of stored values (memory backend)", registry=registry
         )
         # The totals StoreStats reports.
         self.hits = 0

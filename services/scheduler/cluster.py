@@ -17,7 +17,7 @@ import grpc
 import structlog
 
 from services.common.errors import Reason
-from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
+from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.common.sampling_checks import InvalidField
 from services.scheduler.admission import ModelLimits, admit
 from services.scheduler.engine import WorkerLoop, WorkerState
@@ -56,6 +56,9 @@ class Cluster:
         self.closing = False
         self.num_workers_lost = 0
         self.num_requeued = 0
+        # The served model's name, from the first worker that attached: the model_name label of every
+        # series (read by the metrics thread, so a plain attribute rather than a walk over self.workers).
+        self.model_name = ""
         self._on_ready_change = on_ready_change
         self._published_ready: bool | None = None
         self._turn = 0
@@ -124,6 +127,7 @@ class Cluster:
             long_prefill_token_threshold=s.long_prefill_token_threshold,
         )
         self.workers[hello.worker_id] = worker
+        self.model_name = self.model_name or hello.model_name
         log.info(
             "worker attached",
             worker_id=hello.worker_id,
@@ -190,6 +194,8 @@ class Cluster:
         self.metrics.requests_requeued.inc(len(orphans))
         logger = log.warning if lost_reason else log.info
         logger("worker detached", worker_id=worker.worker_id, lost=lost_reason, requeued=len(orphans))
+        if worker.worker_id not in self.workers:
+            self.metrics.forget_worker(worker.worker_id)
         self._update_gauges()
 
     async def publish_readiness(self) -> None:
@@ -270,7 +276,7 @@ class Cluster:
         for worker in self.workers.values():
             found = worker.abort(request_id) or found
         if found:
-            self.outputs.finished(sampling_pb2.FINISH_REASON_ABORT)
+            self.outputs.finished()
             log.info("aborted", request_id=request_id)
         self._update_gauges()
         return found
@@ -372,9 +378,22 @@ class Cluster:
             )
 
     def _update_gauges(self) -> None:
-        self.metrics.num_requests_waiting.set(self.num_waiting())
-        self.metrics.num_requests_running.set(sum(w.planner.num_running for w in self.workers.values()))
-        self.metrics.num_workers.set(len(self.ready_workers()))
+        """Set the queue, batch and KV gauges from the state now (after every event that changes it)."""
+        metrics = self.metrics
+        metrics.num_requests_waiting.set(self.num_waiting())
+        metrics.num_workers.set(len(self.ready_workers()))
+        running = used = total = 0
+        for worker in self.workers.values():
+            planner = worker.planner
+            pool = planner.kv.pool
+            running += planner.num_running
+            used += pool.num_blocks - pool.num_free_blocks
+            total += pool.num_blocks
+            metrics.worker_num_requests_running.labels(worker=worker.worker_id).set(planner.num_running)
+            metrics.worker_num_requests_waiting.labels(worker=worker.worker_id).set(len(worker.waiting))
+            metrics.worker_kv_cache_usage_perc.labels(worker=worker.worker_id).set(pool.usage)
+        metrics.num_requests_running.set(running)
+        metrics.kv_cache_usage_perc.set(used / total if total else 0.0)
 
     # ---- views -------------------------------------------------------------
 

@@ -1,100 +1,136 @@
-"""Prometheus metrics of the scheduler, under vLLM-compatible names."""
+"""Prometheus metrics of the scheduler: queue, batch, KV blocks and the request phases it owns, under
+vLLM's names and buckets (docs/metrics.md).
+
+What a client sees (time to first token, token intervals, end to end, finished requests) is the
+gateway's to count; here are the phases only the scheduler sees: queue, prefill, decode. model_name is
+added to every series at scrape time (services/common/metrics/exposition.py).
+"""
 
 from __future__ import annotations
+
+import contextlib
 
 from prometheus_client import REGISTRY as DEFAULT_REGISTRY
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from services.common.metrics import buckets
+from services.common.metrics.names import metric
 from services.scheduler.request import Request
-
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
 
 class SchedulerMetrics:
     """All scheduler metrics, created once per process."""
 
     def __init__(self, registry: CollectorRegistry = DEFAULT_REGISTRY) -> None:
+        self.registry = registry
         self.num_requests_running = Gauge(
-            "meshserve:num_requests_running", "Requests in a worker's running batch", registry=registry
+            metric("num_requests_running"), "Requests in a running batch, all workers", registry=registry
         )
         self.num_requests_waiting = Gauge(
-            "meshserve:num_requests_waiting", "Requests waiting to be admitted", registry=registry
+            metric("num_requests_waiting"), "Requests waiting to be admitted", registry=registry
         )
         self.kv_cache_usage_perc = Gauge(
-            "meshserve:kv_cache_usage_perc",
-            "Fraction of KV blocks in use, per worker",
-            ["worker"],
+            metric("kv_cache_usage_perc"),
+            "KV blocks in use over all attached workers' blocks (1 means 100 percent)",
             registry=registry,
         )
-        self.num_workers = Gauge("meshserve:num_workers", "Attached workers", registry=registry)
+        self.num_workers = Gauge(metric("num_workers"), "Workers attached and ready", registry=registry)
+        self.worker_num_requests_running = Gauge(
+            metric("worker_num_requests_running"), "Running requests of one worker", ["worker"], registry=registry
+        )
+        self.worker_num_requests_waiting = Gauge(
+            metric("worker_num_requests_waiting"), "Requests waiting for one worker", ["worker"], registry=registry
+        )
+        self.worker_kv_cache_usage_perc = Gauge(
+            metric("worker_kv_cache_usage_perc"), "One worker's KV block usage", ["worker"], registry=registry
+        )
         self.prefix_cache_queries = Counter(
-            "meshserve:prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=registry
+            metric("prefix_cache_queries"), "Prompt tokens looked up in the prefix cache", registry=registry
         )
         self.prefix_cache_hits = Counter(
-            "meshserve:prefix_cache_hits", "Prompt tokens found in the prefix cache", registry=registry
+            metric("prefix_cache_hits"), "Prompt tokens found in the prefix cache", registry=registry
         )
-        self.num_preemptions = Counter(
-            "meshserve:num_preemptions", "Requests preempted for recompute", registry=registry
-        )
-        self.request_success = Counter(
-            "meshserve:request_success", "Finished requests", ["finished_reason"], registry=registry
-        )
+        self.num_preemptions = Counter(metric("num_preemptions"), "Requests preempted", registry=registry)
         self.iteration_tokens = Histogram(
-            "meshserve:iteration_tokens_total",
+            metric("iteration_tokens_total"),
             "Tokens scheduled per step",
-            buckets=(1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192),
+            buckets=buckets.ITERATION_TOKENS,
             registry=registry,
         )
-        self.time_to_first_token = Histogram(
-            "meshserve:time_to_first_token_seconds",
-            "Arrival at the scheduler to first token",
-            buckets=_LATENCY_BUCKETS,
+        self.request_queue_time = Histogram(
+            metric("request_queue_time_seconds"),
+            "Arrival at the scheduler to first scheduled (the WAITING phase)",
+            buckets=buckets.REQUEST_LATENCY,
             registry=registry,
         )
-        self.e2e_request_latency = Histogram(
-            "meshserve:e2e_request_latency_seconds",
-            "Arrival at the scheduler to finish",
-            buckets=_LATENCY_BUCKETS,
+        self.request_prefill_time = Histogram(
+            metric("request_prefill_time_seconds"),
+            "First scheduled to first token (the PREFILL phase)",
+            buckets=buckets.REQUEST_LATENCY,
+            registry=registry,
+        )
+        self.request_decode_time = Histogram(
+            metric("request_decode_time_seconds"),
+            "First token to finish (the DECODE phase)",
+            buckets=buckets.REQUEST_LATENCY,
+            registry=registry,
+        )
+        self.request_inference_time = Histogram(
+            metric("request_inference_time_seconds"),
+            "First scheduled to finish (the RUNNING phase)",
+            buckets=buckets.REQUEST_LATENCY,
             registry=registry,
         )
         self.routed = Counter(
-            "meshserve:worker_requests_routed", "Requests the router placed on a worker", ["worker"], registry=registry
+            metric("worker_requests_routed"), "Requests the router placed on a worker", ["worker"], registry=registry
         )
         self.worker_prefix_cache_queries = Counter(
-            "meshserve:worker_prefix_cache_queries",
+            metric("worker_prefix_cache_queries"),
             "Prompt tokens looked up in one worker's prefix cache",
             ["worker"],
             registry=registry,
         )
         self.worker_prefix_cache_hits = Counter(
-            "meshserve:worker_prefix_cache_hits",
+            metric("worker_prefix_cache_hits"),
             "Prompt tokens found in one worker's prefix cache",
             ["worker"],
             registry=registry,
         )
         self.workers_lost = Counter(
-            "meshserve:workers_lost", "Workers lost (stream broken, heartbeat or step timeout)", ["reason"],
+            metric("workers_lost"), "Workers lost (stream broken, heartbeat or step timeout)", ["reason"],
             registry=registry,
         )  # fmt: skip
         self.requests_requeued = Counter(
-            "meshserve:requests_requeued", "Requests moved to another worker after theirs was lost", registry=registry
+            metric("requests_requeued"), "Requests moved to another worker after theirs was lost", registry=registry
         )
         self.kv_store_loaded_tokens = Counter(
-            "meshserve:kv_store_loaded_tokens", "Tokens loaded from the kvstore instead of computed", registry=registry
+            metric("kv_store_loaded_tokens"), "Tokens loaded from the kvstore instead of computed", registry=registry
         )
         self.kv_store_load_misses = Counter(
-            "meshserve:kv_store_load_misses", "Blocks a load asked for and did not get (recomputed)", registry=registry
+            metric("kv_store_load_misses"), "Blocks a load asked for and did not get (recomputed)", registry=registry
         )
         self.kv_store_lookups = Counter(
-            "meshserve:kv_store_lookups", "kvstore lookups, by outcome (hit, miss, error)", ["outcome"],
+            metric("kv_store_lookups"), "kvstore lookups, by outcome (hit, miss, error)", ["outcome"],
             registry=registry,
         )  # fmt: skip
-        self.step_seconds = Histogram(
-            "meshserve:step_duration_seconds",
-            "Worker execute time of one step",
-            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
-            registry=registry,
-        )
+
+    def request_phases(self, request: Request, first_token_at: float | None, finished_at: float) -> None:
+        """A request finished: the time it spent waiting, in prefill and in decode."""
+        scheduled = request.first_scheduled_at
+        if scheduled is None:
+            return  # aborted before it ever ran
+        self.request_queue_time.observe(scheduled - request.arrival_time)
+        self.request_inference_time.observe(finished_at - scheduled)
+        if first_token_at is not None:
+            self.request_prefill_time.observe(first_token_at - scheduled)
+            self.request_decode_time.observe(finished_at - first_token_at)
+
+    def forget_worker(self, worker_id: str) -> None:
+        """A worker left: its per-worker gauges go (a stale 0 would read as an idle worker)."""
+        for gauge in (self.worker_num_requests_running, self.worker_num_requests_waiting,
+                      self.worker_kv_cache_usage_perc):  # fmt: skip
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker_id)
 
 
 class WorkerMetrics:

@@ -1,4 +1,4 @@
-"""A step's results become TokenEvents for their callers, and request-level metrics."""
+"""A step's results become TokenEvents for their callers, and the request phases' metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 import grpc
 
 from services.common.errors import Reason
-from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.common.proto.meshserve.v1 import scheduler_pb2
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.submissions import Failure, Submission
 from services.scheduler.worker_scheduler import RequestOutput
@@ -49,19 +49,16 @@ class OutputProcessor:
         if sub.first_token_at is None and out.new_token_ids:
             sub.first_token_at = now
             event.num_cached_tokens = req.num_cached_tokens
-            self.metrics.time_to_first_token.observe(now - req.arrival_time)
         if out.finish_reason is not None:
             event.finish_reason = out.finish_reason.finish_reason()
             event.stop_kind = req.stop_kind
             if req.stop_token_id is not None:
                 event.stop_token_id = req.stop_token_id
             sub.finished = True
-            self.finished(event.finish_reason)
-            self.metrics.e2e_request_latency.observe(now - req.arrival_time)
+            self.finished()
+            self.metrics.request_phases(req, sub.first_token_at, now)
         return event
 
-    def finished(self, reason: sampling_pb2.FinishReason.ValueType) -> None:
-        """Count one request that ended with a finish reason (aborts included)."""
+    def finished(self) -> None:
+        """Count one request that ended with a finish reason (aborts included), for GetStats."""
         self.num_finished += 1
-        label = sampling_pb2.FinishReason.Name(reason).removeprefix("FINISH_REASON_").lower()
-        self.metrics.request_success.labels(finished_reason=label).inc()

@@ -63,6 +63,9 @@ class Request:
         self.stop_token_ids: frozenset[int] = frozenset(sampling.stop_token_ids)
         self.max_tokens = max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        # When a worker first took it into a running batch (the end of its queue time); kept across
+        # preemptions and moves to another worker, as vLLM's queue time is.
+        self.first_scheduled_at: float | None = None
         # time.monotonic() by which the caller gives up (its gRPC deadline); None: no deadline.
         self.deadline = deadline
         self.output_token_ids: list[int] = []

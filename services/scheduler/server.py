@@ -6,6 +6,7 @@ import structlog
 
 from services.common.grpc_server import GrpcService
 from services.common.logs import configure_logging
+from services.common.metrics.names import MODEL_NAME_LABEL
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.servicer import SchedulerServicer
@@ -17,7 +18,13 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 async def serve(settings: SchedulerSettings) -> None:
     """Serve until SIGTERM/SIGINT, then drain: running requests finish, workers are released."""
     configure_logging("scheduler", settings.log_level, settings.log_format)
-    service = GrpcService("scheduler", settings, [SERVICE_NAME])
+    servicer: SchedulerServicer | None = None
+
+    def metric_labels() -> dict[str, str]:
+        # The name the workers report (their --served-model-name), known once the first attaches.
+        return {MODEL_NAME_LABEL: servicer.cluster.model_name if servicer is not None else ""}
+
+    service = GrpcService("scheduler", settings, [SERVICE_NAME], metric_labels=metric_labels)
     servicer = SchedulerServicer(settings, SchedulerMetrics(), on_ready_change=service.set_serving)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, service.server)
     service.install_signal_handlers()

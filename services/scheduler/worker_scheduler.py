@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -314,6 +315,8 @@ class WorkerScheduler:
         """An admitted request joins the running batch; it goes to the worker as a NewRequest."""
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_computed
+        if request.first_scheduled_at is None:
+            request.first_scheduled_at = time.monotonic()
         self.running.append(request)
         self._by_id[request.request_id] = request
         return _Planned(request, num_computed, num_new)

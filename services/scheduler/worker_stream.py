@@ -109,12 +109,9 @@ class WorkerStream:
             log.error("step protocol error", worker_id=worker.worker_id, error=str(err))
             self.lost_reason = f"protocol error: {err}"
             return False
-        self.cluster.metrics.step_seconds.observe(result.execute_seconds)
         if result.error:
             log.error("step failed on worker", worker_id=worker.worker_id, error=result.error)
         self.cluster.dispatch(outputs)
-        kv = worker.planner.kv.pool
-        self.cluster.metrics.kv_cache_usage_perc.labels(worker=worker.worker_id).set(kv.usage)
         return True
 
     def loss(self) -> str | None:

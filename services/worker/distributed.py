@@ -92,6 +92,14 @@ class TPGroup:
         dist.all_reduce(buffer, op=dist.ReduceOp.MIN, group=self._cpu_group)
         return [int(v) for v in buffer.tolist()]
 
+    def gather_ints(self, values: list[int]) -> list[list[int]]:
+        """Every rank's values (same length everywhere), in rank order, on every rank."""
+        if self.size == 1:
+            return [list(values)]
+        parts = [torch.empty(len(values), dtype=torch.int64) for _ in range(self.size)]
+        dist.all_gather(parts, torch.tensor(values, dtype=torch.int64), group=self._cpu_group)
+        return [[int(v) for v in part.tolist()] for part in parts]
+
 
 SINGLE = TPGroup()
 

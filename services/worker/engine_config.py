@@ -21,6 +21,8 @@ class EngineConfig:
     """What the worker loads and how much it may batch; validated on construction."""
 
     model_path: str
+    # The name the worker reports for its model (--served-model-name); None: the model directory's name.
+    served_model_name: str | None = None
     # vLLM-style shorthand for one dtype everywhere; --precision says more and wins when given.
     dtype: str | None = None
     precision: str | None = None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,9 @@ class InputBatch:
 
     def __init__(self) -> None:
         self._requests: dict[str, CachedRequest] = {}
+        # How many held requests reference each KV block (prefix-shared blocks are held by several), kept as
+        # blocks come and go so the count of blocks in use costs nothing per step.
+        self._block_refs: collections.Counter[int] = collections.Counter()
 
     def __len__(self) -> int:
         return len(self._requests)
@@ -64,10 +68,27 @@ class InputBatch:
         if request.request_id in self._requests:
             raise ValueError(f"request {request.request_id!r} is already in the worker's batch")
         self._requests[request.request_id] = request
+        self._block_refs.update(request.block_ids)
+
+    def extend_blocks(self, request: CachedRequest, block_ids: list[int]) -> None:
+        """A held request got more blocks."""
+        request.block_ids.extend(block_ids)
+        self._block_refs.update(block_ids)
 
     def remove(self, request_id: str) -> CachedRequest | None:
         """Drop a request; unknown ids are ignored."""
-        return self._requests.pop(request_id, None)
+        request = self._requests.pop(request_id, None)
+        if request is not None:
+            self._block_refs.subtract(request.block_ids)
+            for block in request.block_ids:
+                if self._block_refs[block] <= 0:
+                    del self._block_refs[block]
+        return request
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Distinct KV blocks the held requests use."""
+        return len(self._block_refs)
 
     def get(self, request_id: str) -> CachedRequest:
         """The request with this id, or a ValueError naming it."""

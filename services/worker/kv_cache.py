@@ -46,3 +46,8 @@ class KVCache:
             for _ in range(num_layers)
         ]
         return cls(layers=layers, num_blocks=num_blocks, block_size=block_size)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every layer's K and V."""
+        return sum(k.nbytes + v.nbytes for k, v in self.layers)

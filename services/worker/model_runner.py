@@ -53,6 +53,17 @@ def _copy_params(params: sampling_pb2.SamplingParams) -> sampling_pb2.SamplingPa
     return copy
 
 
+@dataclass(frozen=True)
+class RankMemory:
+    """One tensor-parallel rank's device memory once the model and its KV cache are loaded."""
+
+    rank: int
+    weights_bytes: int
+    kv_cache_bytes: int
+    # Device memory in use (total - free) after loading; 0 on the CPU, where it would be the host's RAM.
+    used_bytes: int
+
+
 @dataclass
 class _Scheduled:
     """One request's work in the step being executed."""
@@ -90,7 +101,7 @@ class ModelRunner:
         self.tp = init_tp_group(self.platform.dist_backend, dist_init) if dist_init is not None else SINGLE
         self.max_model_len: int = max_model_len
         self.vocab_size: int = arch.vocab_size
-        self.model_name: str = source.name
+        self.model_name: str = config.served_model_name or source.name
         self.model_identity: str = model_identity(source)
         self.kv_format: str = kv_format(
             source, kv_dtype=str(self.precision.kv_dtype).removeprefix("torch."), block_size=self.block_size
@@ -119,6 +130,8 @@ class ModelRunner:
                 layout=self.platform.ops.kv_layout,
             )
             self.kv_transfer: KVTransfer | None = self._start_kv_transfer(arch)
+            # Every rank's memory after loading, gathered once (a collective: all ranks are here).
+            self.rank_memory: list[RankMemory] = self._rank_memory()
         except Exception as err:
             if self.platform.is_out_of_memory(err):
                 raise StartupError(
@@ -143,6 +156,29 @@ class ModelRunner:
             kv_store=config.kv_store_address,
             load_seconds=round(time.perf_counter() - started, 3),
         )
+
+    @property
+    def num_requests(self) -> int:
+        """Requests in the persistent batch."""
+        return len(self.batch)
+
+    @property
+    def num_blocks_held(self) -> int:
+        """Distinct KV blocks the batch's requests hold."""
+        return self.batch.num_blocks_held
+
+    def _weights_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+    def _rank_memory(self) -> list[RankMemory]:
+        weights = self._weights_bytes()
+        # What the device's allocator and everything else on it hold; on the CPU, "free" is the host's.
+        used = 0
+        if self.platform.name != "cpu":
+            info = self.platform.memory_info()
+            used = info.total_bytes - info.free_bytes
+        rows = self.tp.gather_ints([weights, self.kv_cache.nbytes, used])
+        return [RankMemory(rank, *row) for rank, row in enumerate(rows)]
 
     def _grammar_engine(self, source: ModelSource, vocab_size: int) -> GrammarEngine | None:
         if not self.tp.is_driver or not (source.directory / "tokenizer.json").is_file():
@@ -224,7 +260,7 @@ class ModelRunner:
             head_dim=arch.head_dim,
             dtype=self.precision.kv_dtype,
         )
-        weights_bytes = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        weights_bytes = self._weights_bytes()
         peak = profile_peak_memory(self, arch)
         if self.platform.name == "cpu":
             budget = self.config.kv_cache_memory_bytes
@@ -371,7 +407,7 @@ class ModelRunner:
         for item in new:
             self.batch.add(item.request)
         for item, new_blocks in running:
-            item.request.block_ids.extend(new_blocks)
+            self.batch.extend_blocks(item.request, new_blocks)
         return work
 
     @staticmethod

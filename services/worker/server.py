@@ -13,16 +13,20 @@ from multiprocessing.process import BaseProcess
 from typing import TYPE_CHECKING, NoReturn
 
 import structlog
+from prometheus_client import REGISTRY
 
 from services.common.grpc_server import GrpcService
 from services.common.logs import configure_logging
+from services.common.metrics.names import MODEL_NAME_LABEL
 from services.common.model_paths import resolve_model_path
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.common.tls import load_security
 from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
 from services.worker.engine_config import EngineConfig
+from services.worker.metrics import MeteredExecutor, WorkerMetrics
 from services.worker.settings import WorkerSettings
+from services.worker.telemetry.device_telemetry import DeviceTelemetry
 
 if TYPE_CHECKING:
     from services.worker.distributed import DistInit
@@ -41,6 +45,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
     """The model runner's config from the worker's settings and the resolved device type."""
     return EngineConfig(
         model_path=str(resolve_model_path(settings.model)),
+        served_model_name=settings.served_model_name,
         dtype=settings.dtype,
         precision=settings.precision,
         device=device,
@@ -100,7 +105,9 @@ async def serve(settings: WorkerSettings) -> int:
     # Bind before the model thread exists: threads inherit the affinity of the thread that starts them.
     prepare_rank(config, 0, settings.ranks_per_node, settings.cpu_binding)
 
-    service = GrpcService("worker", settings, HEALTH_ONLY)
+    # model_name and worker label every series once the model is loaded (the metrics port serves before).
+    metric_labels: dict[str, str] = {}
+    service = GrpcService("worker", settings, HEALTH_ONLY, metric_labels=lambda: metric_labels)
     service.install_signal_handlers()
     await service.start()
     model_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="model")
@@ -110,9 +117,31 @@ async def serve(settings: WorkerSettings) -> int:
         _fail(str(err))
         await _stop_quietly(service, processes)
         return 1
-    if first_rank != 0:
-        return await _serve_follower(service, model_thread, runner, processes)
-    return await _serve_driver(settings, service, model_thread, runner, processes)
+    worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}:{service.port}"
+    metric_labels.update({MODEL_NAME_LABEL: runner.model_name, "worker": worker_id})
+    metrics = WorkerMetrics()
+    metrics.loaded(runner.num_blocks, runner.rank_memory, runner.device_type)
+    telemetry = _device_telemetry(settings, runner.device_type, runner.model_name, worker_id)
+    telemetry.start()
+    try:
+        if first_rank != 0:
+            return await _serve_follower(service, model_thread, runner, processes)
+        return await _serve_driver(settings, service, model_thread, runner, processes, worker_id, metrics)
+    finally:
+        telemetry.stop()
+
+
+def _device_telemetry(settings: WorkerSettings, device_type: str, model_name: str, worker_id: str) -> DeviceTelemetry:
+    """npu-smi or NVML gauges on their own thread; nothing on the CPU or with --device-telemetry off."""
+    choice = settings.device_telemetry
+    platform = device_type if choice == "auto" else choice
+    return DeviceTelemetry(
+        REGISTRY,
+        "cpu" if platform == "off" else platform,
+        model_name=model_name,
+        worker=worker_id,
+        interval=settings.device_telemetry_interval,
+    )
 
 
 async def _load(
@@ -146,6 +175,8 @@ async def _serve_driver(
     model_thread: ThreadPoolExecutor,
     runner: ModelRunner,
     processes: list[BaseProcess],
+    worker_id: str,
+    metrics: WorkerMetrics,
 ) -> int:
     """Rank 0: attach to the scheduler and run its steps on every rank."""
     from services.worker.tp_ranks import TensorParallelDriver, watch_ranks
@@ -157,7 +188,7 @@ async def _serve_driver(
         driver = TensorParallelDriver(runner, processes, stopping)
         executor = driver
         watch_ranks(processes, stopping)
-    worker_id = settings.worker_id or f"{socket.gethostname()}:{os.getpid()}:{service.port}"
+    executor = MeteredExecutor(executor, metrics, runner)
     hello = worker_pb2.WorkerHello(
         worker_id=worker_id,
         device=runner.device_type,

@@ -72,6 +72,17 @@ class WorkerSettings(ServiceSettings):
         ge=1,
     )
     worker_id: str | None = Field(None, description="id shown to the scheduler (unset: host:pid)")
+    device_telemetry: Literal["auto", "npu", "cuda", "off"] = Field(
+        "auto",
+        description="device gauges (temperature, power, HBM, utilisation) from npu-smi (npu) or NVML (cuda) on a "
+        "background thread; auto: the worker's device type (the CPU reports none)",
+    )
+    device_telemetry_interval: float = Field(5.0, description="seconds between device telemetry reads", gt=0)
+    served_model_name: str | None = Field(
+        None,
+        description="the model's name as this worker reports it: the model_name label of every metric, and "
+        "the name the gateway serves when it has no --served-model-name (unset: the model directory's name)",
+    )
     reconnect_interval: float = Field(1.0, description="seconds between attach attempts", gt=0)
     hung_step_timeout: float = Field(
         10.0,

@@ -393,11 +393,11 @@ async def test_redis_outage_answers_misses_and_recovers_by_itself(log_dir: Path)
             assert await kv.lookup(fmt, hashes) == 3
 
         metrics = await asyncio.to_thread(_scrape, metrics_port)
-        assert 'meshserve_kvstore_dropped_blocks_total{reason="backend_unavailable"} 2.0' in metrics
-        assert "meshserve_kvstore_backend_serving 1.0" in metrics
-        assert 'meshserve_kvstore_backend_latency_seconds_count{op="put"}' in metrics
+        assert 'meshserve:kvstore_dropped_blocks_total{reason="backend_unavailable"} 2.0' in metrics
+        assert "meshserve:kvstore_backend_serving 1.0" in metrics
+        assert 'meshserve:kvstore_backend_latency_seconds_count{op="put"}' in metrics
         names = {line.split("{")[0].split()[0] for line in metrics.splitlines() if line.startswith("meshserve")}
-        assert names and all(n.startswith("meshserve_kvstore_") and ":" not in n for n in names)
+        assert names and all(n.startswith("meshserve:kvstore_") for n in names)
     finally:
         launcher.stop_all(timeout=10)
         redis.stop()

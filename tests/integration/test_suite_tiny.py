@@ -227,8 +227,9 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path, s
     finally:
         suite.stop()
     assert stats.num_preemptions > 0, "the KV cache was not small enough to force preemption"
-    assert f"meshserve:num_preemptions_total {float(stats.num_preemptions)}" in metrics
-    assert f"meshserve:prefix_cache_queries_total {float(stats.prefix_cache_queries)}" in metrics
+    labels = f'{{model_name="{tiny_model_dir.name}"}}'
+    assert f"meshserve:num_preemptions_total{labels} {float(stats.num_preemptions)}" in metrics
+    assert f"meshserve:prefix_cache_queries_total{labels} {float(stats.prefix_cache_queries)}" in metrics
     for prompt, answer in zip(prompts, answers, strict=True):
         assert answer.token_ids == transformers_greedy(tiny_model_dir, prompt, 40)
 

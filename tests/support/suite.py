@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -134,13 +134,16 @@ def start_suite(
     kv_store_args: Sequence[str] | None = None,
     common_args: Sequence[str] = (),
     certs: DevCerts | None = None,
+    metrics_port: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Suite:
     """Start and wait until every service reports SERVING; kv_store_args not None: with a kvstore.
 
-    common_args go to every service; certs: each service gets its own (health checks use "client")."""
+    common_args go to every service; certs: each service gets its own (health checks use "client");
+    metrics_port: the first of the services' metrics ports (launcher.metrics_ports); env: extra variables."""
     launcher = Launcher(
         log_dir,
-        env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug"},
+        env={"MESHSERVE_LOG_FORMAT": "json", "MESHSERVE_LOG_LEVEL": "debug", **(env or {})},
         security=None if certs is None else certs.security(),
     )
     try:
@@ -158,6 +161,7 @@ def start_suite(
             kv_store_args=kv_store_args or (),
             common_args=common_args,
             certs=certs,
+            metrics_port=metrics_port,
         )
         asyncio.run(wait_all_healthy(launcher, procs.all, STARTUP_TIMEOUT_S))
     except BaseException:

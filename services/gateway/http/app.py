@@ -17,7 +17,6 @@ from concurrent.futures import Executor
 from typing import Any, TypeVar
 
 import structlog
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -27,6 +26,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from services.common.errors import StatusError
 from services.common.grpc_server import PUBLIC_MAX_RECEIVE_MESSAGE_BYTES
+from services.common.metrics.exposition import CONTENT_TYPE, Exposition
 from services.common.proto.meshserve.v1 import generation_pb2
 from services.common.request_context import METADATA_KEY, check_request_id, new_request_id
 from services.common.sampling_checks import InvalidField
@@ -243,14 +243,14 @@ class _Api:
         executor: Executor,
         *,
         write_timeout: float,
-        registry: CollectorRegistry,
+        exposition: Exposition,
         body_limit: int,
         body_budget: int,
     ) -> None:
         self.pipeline = pipeline
         self.write_timeout = write_timeout
         self._executor = executor
-        self._registry = registry
+        self._exposition = exposition
         self._body_limit = body_limit
         self._bodies = BodyBudget(body_budget)
         self._texts = TokenTexts(pipeline.tokenizer)
@@ -334,7 +334,7 @@ class _Api:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
-        return Response(generate_latest(self._registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(self._exposition.render(), media_type=CONTENT_TYPE)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -351,16 +351,16 @@ def create_app(
     executor: Executor,
     *,
     write_timeout: float,
-    registry: CollectorRegistry,
+    exposition: Exposition,
     body_limit: int = PUBLIC_MAX_RECEIVE_MESSAGE_BYTES,
     body_budget: int = BODY_BUDGET_BYTES,
 ) -> Starlette:
-    """The ASGI app of the OpenAI front; `registry` is the one the gateway's metrics live in."""
+    """The ASGI app of the OpenAI front; `exposition` is what the gateway's metrics port serves too."""
     api = _Api(
         pipeline,
         executor,
         write_timeout=write_timeout,
-        registry=registry,
+        exposition=exposition,
         body_limit=body_limit,
         body_budget=body_budget,
     )

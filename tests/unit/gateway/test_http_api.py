@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -479,7 +480,7 @@ async def test_body_caps_answer_413(tok: TextTokenizer) -> None:
             gateway.pipeline,
             gateway._executor,
             write_timeout=5,
-            registry=gateway.pipeline.metrics.registry,
+            exposition=gateway.service.exposition,
             body_limit=1000,
         )
         server = HttpServer(app, "127.0.0.1", 0)
@@ -521,7 +522,7 @@ async def test_health_follows_the_schedulers_and_metrics_are_exposed(tok: TextTo
 
             metrics = await http.get("/metrics")
             assert metrics.status_code == 200 and metrics.headers["content-type"].startswith("text/plain")
-            assert "meshserve:requests_started_total 1.0" in metrics.text
+            assert re.search(r'^meshserve:requests_started_total\{model_name="[^"]+"\} 1\.0$', metrics.text, re.M)
 
             gateway.pipeline.draining = True
             assert (await http.get("/health")).status_code == 503
@@ -606,7 +607,7 @@ async def test_slow_uploads_hold_a_bounded_budget_and_small_requests_still_pass(
             gateway.pipeline,
             gateway._executor,
             write_timeout=5,
-            registry=gateway.pipeline.metrics.registry,
+            exposition=gateway.service.exposition,
             body_budget=200_000,
         )
         server = HttpServer(app, "127.0.0.1", 0)

@@ -1,0 +1,1 @@
+"""Prometheus metrics shared by every service: names, exposition, the /metrics server, gRPC server metrics."""

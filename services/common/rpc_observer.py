@@ -1,0 +1,189 @@
+"""One server interceptor that watches every RPC: gRPC server metrics and one access log line per call.
+
+The line says method, peer, status, duration and whatever the handler added with `annotate_call`
+(the gateway adds the request id and token counts). Health checks and reflection log at debug: a
+Kubernetes probe every few seconds would otherwise drown the lines that matter.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import inspect
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import structlog
+
+from services.common.metrics.grpc_metrics import GrpcServerMetrics
+from services.common.metrics.names import status_code_label
+
+log = structlog.get_logger()
+
+_QUIET_SERVICES = frozenset(
+    {"grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"}
+)
+
+
+@dataclass
+class CallRecord:
+    """What the access line of the current RPC will say beyond method, peer, status and duration."""
+
+    fields: dict[str, object] = field(default_factory=dict)
+
+
+_current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("meshserve_call_record", default=None)
+
+
+def annotate_call(**fields: object) -> None:
+    """Add fields (request_id, prompt_tokens, ...) to the current RPC's access line; a no-op outside one."""
+    record = _current.get()
+    if record is not None:
+        record.fields.update(fields)
+
+
+@dataclass(frozen=True)
+class _Call:
+    service: str
+    method: str
+    kind: str
+
+    @property
+    def labels(self) -> tuple[str, str, str]:
+        return (self.service, self.method, self.kind)
+
+
+def _split(full_method: str) -> tuple[str, str]:
+    # "/meshserve.v1.Generation/Generate" -> ("meshserve.v1.Generation", "Generate")
+    service, _, method = full_method.lstrip("/").rpartition("/")
+    return service or "unknown", method or full_method
+
+
+class RpcObserver(grpc.aio.ServerInterceptor):
+    """Counts, times and logs every call the server takes."""
+
+    def __init__(self, metrics: GrpcServerMetrics) -> None:
+        self.metrics = metrics
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        service, method = _split(handler_call_details.method)
+        return self._wrap(handler, service, method)
+
+    def _wrap(self, handler: grpc.RpcMethodHandler, service: str, method: str) -> grpc.RpcMethodHandler:
+        kwargs = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary is not None:
+            call = _Call(service, method, "unary")
+            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, call, False), **kwargs)
+        if handler.unary_stream is not None:
+            call = _Call(service, method, "server_stream")
+            return grpc.unary_stream_rpc_method_handler(self._streaming(handler.unary_stream, call, False), **kwargs)
+        if handler.stream_unary is not None:
+            call = _Call(service, method, "client_stream")
+            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, call, True), **kwargs)
+        call = _Call(service, method, "bidi_stream")
+        return grpc.stream_stream_rpc_method_handler(self._streaming(handler.stream_stream, call, True), **kwargs)
+
+    def _unary(self, fn: Callable[..., Awaitable[Any]], call: _Call, client_streams: bool) -> Callable[..., Any]:
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            record, started = self._start(call)
+            code = "OK"
+            try:
+                if client_streams:
+                    request = self._count_received(request, call)
+                else:
+                    self.metrics.msg_received.labels(*call.labels).inc()
+                response = await fn(request, context)
+                code = _final_code(context)
+                self.metrics.msg_sent.labels(*call.labels).inc()
+                return response
+            except BaseException as err:
+                code = _code_of(err, context)
+                raise
+            finally:
+                self._finish(call, record, started, code, context)
+
+        return wrapped
+
+    def _streaming(self, fn: Callable[..., Any], call: _Call, client_streams: bool) -> Callable[..., Any]:
+        if not inspect.isasyncgenfunction(fn):
+            # A streaming handler that awaits context.write() and returns: sent messages go uncounted.
+            return self._unary(fn, call, client_streams)
+
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            record, started = self._start(call)
+            code = "OK"
+            sent = self.metrics.msg_sent.labels(*call.labels)
+            try:
+                if client_streams:
+                    request = self._count_received(request, call)
+                else:
+                    self.metrics.msg_received.labels(*call.labels).inc()
+                async for item in fn(request, context):
+                    sent.inc()
+                    yield item
+                code = _final_code(context)
+            except BaseException as err:
+                code = _code_of(err, context)
+                raise
+            finally:
+                self._finish(call, record, started, code, context)
+
+        return wrapped
+
+    async def _count_received(self, requests: AsyncIterator[Any], call: _Call) -> AsyncIterator[Any]:
+        received = self.metrics.msg_received.labels(*call.labels)
+        async for item in requests:
+            received.inc()
+            yield item
+
+    def _start(self, call: _Call) -> tuple[CallRecord, float]:
+        self.metrics.started.labels(*call.labels).inc()
+        record = CallRecord()
+        _current.set(record)
+        return record, time.monotonic()
+
+    def _finish(
+        self, call: _Call, record: CallRecord, started: float, code: str, context: grpc.aio.ServicerContext
+    ) -> None:
+        elapsed = time.monotonic() - started
+        label = status_code_label(code)
+        self.metrics.handled.labels(*call.labels, label).inc()
+        self.metrics.handling_seconds.labels(*call.labels).observe(elapsed)
+        emit = log.debug if call.service in _QUIET_SERVICES else log.info
+        emit(
+            "rpc",
+            grpc_method=f"{call.service}/{call.method}",
+            peer=context.peer(),
+            grpc_code=label,
+            duration_ms=round(elapsed * 1000, 3),
+            **record.fields,
+        )
+
+
+def _final_code(context: grpc.aio.ServicerContext) -> str:
+    """The status a handler that returned normally ends with (set_code, else OK)."""
+    code = context.code()
+    return code.name if isinstance(code, grpc.StatusCode) else "OK"
+
+
+def _code_of(err: BaseException, context: grpc.aio.ServicerContext) -> str:
+    """The status a handler that raised ends with: abort()'s code, CANCELLED, or UNKNOWN as grpc reports."""
+    if isinstance(err, asyncio.CancelledError):
+        return "CANCELLED"
+    code = context.code()
+    if isinstance(code, grpc.StatusCode) and code is not grpc.StatusCode.OK:
+        return code.name
+    return "UNKNOWN"
