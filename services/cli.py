@@ -29,6 +29,9 @@ def _build_parser() -> argparse.ArgumentParser:
         ("kvstore", KVStoreSettings, "KV-cache blocks shared by every worker, in memory or Redis"),
     ):
         add_settings_arguments(verbs.add_parser(name, help=text, description=text), cls)
+    from services.client import health_probe
+
+    health_probe.add_arguments(verbs.add_parser("health", help="grpc.health.v1 check: exit 0 only when SERVING"))
     up.add_arguments(verbs.add_parser("up", help="run the whole suite here (embedded defaults)"))
     gen = verbs.add_parser("generate", help="stream an answer to one prompt")
     gen.add_argument("prompt")
@@ -40,6 +43,9 @@ def _build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--system", default=None, help="system message")
     commands.add_sampling_arguments(chat)
     command.add_arguments(verbs.add_parser("bench", help="serving benchmark (vllm bench serve semantics)"))
+    from services.client import top
+
+    top.add_arguments(verbs.add_parser("top", help="live terminal view of a running suite (metrics and health)"))
     return parser
 
 
@@ -52,6 +58,12 @@ def _run(coro: Coroutine[Any, Any, int | None]) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point of the `meshserve` console script."""
+    args = sys.argv[1:] if argv is None else argv
+    if args[:1] == ["health"]:
+        # Container probes run it every few seconds: skip importing every other verb's modules.
+        from services.client import health_probe
+
+        sys.exit(health_probe.main(args[1:]))
     ns = _build_parser().parse_args(argv)
     runners: dict[str, Callable[[], Coroutine[Any, Any, int | None]]] = {}
     if ns.verb == "gateway":
@@ -79,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         from services.client.bench import command
 
         runners["bench"] = lambda: command.main(ns)
+        from services.client import top
+
+        runners["top"] = lambda: top.run(ns)
         runners.update(
             up=lambda: up.run(ns),
             generate=lambda: commands.generate_main(ns),
