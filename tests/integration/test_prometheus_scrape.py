@@ -136,7 +136,9 @@ def prometheus(suite: tuple[Suite, int], tmp_path_factory: pytest.TempPathFactor
         log.close()
 
 
-def test_the_metrics_move_and_their_names_survive_the_scrape(suite: tuple[Suite, int], prometheus: Prometheus) -> None:
+def test_the_metrics_move_and_their_names_survive_the_scrape(
+    suite: tuple[Suite, int], prometheus: Prometheus, tiny_model_dir: Path
+) -> None:
     running, _ = suite
     before = prometheus.value("sum(meshserve:worker_steps_total)") or 0.0
     # Keep requests running until a scrape has seen one in a running batch.
@@ -149,7 +151,7 @@ def test_the_metrics_move_and_their_names_survive_the_scrape(suite: tuple[Suite,
     assert seen_running, "no scrape saw a running request"
 
     ttft = prometheus.wait_for('meshserve:time_to_first_token_seconds_count{job="meshserve-gateway"} > 0')
-    assert ttft[0]["metric"]["model_name"] == "tiny"
+    assert ttft[0]["metric"]["model_name"] == tiny_model_dir.name
     prometheus.wait_for(
         'grpc_server_handled_total{job="meshserve-gateway",grpc_service="meshserve.v1.Generation",'
         'grpc_method="Generate",grpc_code="OK"} > 0'
