@@ -43,6 +43,7 @@ from services.client.top_metrics import (
     parse_exposition,
 )
 from services.common.channels import open_channel
+from services.common.ports import DEFAULT_METRICS_PORT
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
     import httpx
 
 # The port every container of deploy/ exports metrics on; `meshserve up --metrics-port 9400` uses it as base.
-DEFAULT_METRICS_BASE = 9400
+DEFAULT_METRICS_BASE = DEFAULT_METRICS_PORT
 DEFAULT_INTERVAL_S = 1.0
 DEFAULT_TIMEOUT_S = 1.0
 T = TypeVar("T")

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, TextIO
 
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
+from services.common.ports import DEFAULT_METRICS_PORT
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
@@ -74,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
-        help="first Prometheus port: gateway, scheduler, kvstore, then each worker on the next ones (unset: off)",
+        default=DEFAULT_METRICS_PORT,
+        help="first Prometheus /metrics port: gateway, scheduler, kvstore, then each worker on the next ones "
+        f"(default {DEFAULT_METRICS_PORT}, where `meshserve top` looks; 0: off)",
     )
     parser.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
     parser.add_argument("--kv-cache-memory", default="2GiB", help="KV cache size per worker on the CPU")
@@ -202,6 +204,16 @@ def _http_banner(ns: argparse.Namespace) -> str:
     return f"  OpenAI-compatible HTTP API: http://{ns.host}:{ns.http_port}/v1 (completions, chat/completions)\n"
 
 
+def _metrics_banner(ns: argparse.Namespace) -> str:
+    if not ns.metrics_port:
+        return ""
+    top = "" if ns.metrics_port == DEFAULT_METRICS_PORT else f" --metrics-port {ns.metrics_port}"
+    return (
+        f"  Prometheus metrics: http://{ns.host}:{ns.metrics_port}/metrics (gateway; the others on the next "
+        f"ports); watch it with `meshserve top{top}`\n"
+    )
+
+
 def say(text: str, stream: TextIO | None = None) -> None:
     """Print for the user without ever raising.
 
@@ -274,7 +286,7 @@ async def run(ns: argparse.Namespace) -> int:
             gateway_args=gateway_args(ns),
             common_args=common_args(ns),
             certs=certs,
-            metrics_port=ns.metrics_port,
+            metrics_port=ns.metrics_port or None,
         )
         gateway = suite.gateway
         tls_hint = "" if certs is None else f" --tls-ca {certs.ca}"
@@ -286,6 +298,7 @@ async def run(ns: argparse.Namespace) -> int:
             f'  try:  meshserve generate --address {gateway.address}{tls_hint} "What is the capital of France?"\n'
             f"        meshserve chat --address {gateway.address}{tls_hint}\n"
             f"{_http_banner(ns)}"
+            f"{_metrics_banner(ns)}"
             "  Ctrl-C stops every service."
         )
         await _wait_for_stop_or_exit(launcher, stop)

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import socket
 
+# Where metrics are served: every container of the deploy files, and `meshserve up`'s first metrics port
+# (gateway, then scheduler, kvstore and each worker on the next ones); `meshserve top` looks there.
+DEFAULT_METRICS_PORT = 9400
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port nothing listens on right now."""

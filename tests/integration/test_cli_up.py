@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ports import free_port
+from services.common.ports import free_port, free_port_block
 
 pytestmark = pytest.mark.slow
 CLI = [sys.executable, "-m", "services.cli"]
@@ -50,6 +50,8 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
             str(free_port()),
             "--http-port",
             str(free_port()),
+            "--metrics-port",
+            str(free_port_block(4)),
             "--log-dir",
             str(tmp_path),
             "--kv-cache-memory",

@@ -61,7 +61,7 @@ def _start_up(
     model: Path, log_dir: Path, *extra: str, stderr: int | IO[str] = subprocess.STDOUT
 ) -> subprocess.Popen[str]:
     ports = ["--port", str(free_port()), "--scheduler-port", str(free_port()), "--worker-port", str(free_port()),
-             "--kv-store-port", str(free_port())]  # fmt: skip
+             "--kv-store-port", str(free_port()), "--metrics-port", "0"]  # fmt: skip
     return subprocess.Popen(
         [*CLI, "up", "--model", str(model), *ports, "--log-dir", str(log_dir), "--kv-cache-memory", "64MiB", *extra],
         stdout=subprocess.PIPE,
@@ -121,7 +121,7 @@ def test_a_dead_worker_leaves_the_suite_serving(tiny_model_dir: Path, tmp_path: 
         up = subprocess.Popen(
             [*CLI, "up", "--model", str(tiny_model_dir), "--port", str(port), "--scheduler-port", str(free_port()),
              "--worker-port", str(free_port()), "--log-dir", str(tmp_path), "--kv-cache-memory", "64MiB",
-             "--workers", "2"],
+             "--workers", "2", "--metrics-port", "0"],
             stdout=subprocess.PIPE, stderr=stderr, text=True,
         )  # fmt: skip
     services: set[Process] = set()

@@ -9,7 +9,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from services.common.ports import free_port
+from services.common.ports import free_port, free_port_block
 from tests.support.calls import greedy_token_answers
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -33,20 +32,6 @@ SCREEN_S = 60.0
 WORKER_ROW = re.compile(r"^\s*worker-0\s+(up|serving)\b", re.MULTILINE)
 GENERATED = re.compile(r"([\d,]+) tokens generated")
 GEN_RATE = re.compile(r"gen ([\d.]+) tok/s")
-
-
-def _free_run(count: int) -> int:
-    """A base port with base..base+count-1 all free right now (`--metrics-port BASE` opens them all)."""
-    for _ in range(50):
-        base = free_port()
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
 
 
 def _wait_until(what: str, check: Callable[[], str | None], timeout: float, context: Callable[[], str]) -> str:
@@ -63,7 +48,7 @@ def _wait_until(what: str, check: Callable[[], str | None], timeout: float, cont
 @pytest.fixture
 def up_suite(tiny_model_dir: Path, tmp_path: Path) -> Iterator[dict[str, str]]:
     """`meshserve up` with one worker and metrics on from a free BASE; its addresses and BASE."""
-    base = _free_run(4)  # gateway, scheduler, kvstore, worker-0
+    base = free_port_block(4)  # gateway, scheduler, kvstore, worker-0
     ports: list[int] = []
     while len(ports) < 4:
         port = free_port()
