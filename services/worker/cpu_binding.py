@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from services.worker.npu_smi_command import CommandRunner, NpuSmiFailure, refusal, run_npu_smi
+
 CpuList = tuple[int, ...]
 BindingSource = Literal["npu-smi", "sysfs-numa", "none"]
-CommandRunner = Callable[[Sequence[str]], subprocess.CompletedProcess[str]]
 
 CPU_BINDING_POLICIES: tuple[str, ...] = ("auto", "off")
 DEFAULT_CPU_BINDING_POLICY = "auto"
-NPU_SMI_TOPO_CMD: tuple[str, ...] = ("npu-smi", "info", "-t", "topo")
+NPU_SMI_TOPO_ARGS: tuple[str, ...] = ("info", "-t", "topo")
 NPU_SMI_TIMEOUT_S = 10
 ASCEND_VISIBLE_DEVICES_ENV = "ASCEND_RT_VISIBLE_DEVICES"
 DEFAULT_SYSFS_ROOT = Path("/sys")
@@ -29,8 +29,6 @@ _DEVICE_COLUMN = re.compile(r"[A-Za-z]+\d+")
 _NPU_LABEL = re.compile(r"NPU(\d+)")
 _NODE_DIR = re.compile(r"node(\d+)")
 _LEGEND_ENTRY = re.compile(r"\s*(\S+)\s*=\s*(.*?)\s*")
-# npu-smi's refusals read "This device does not support querying <what>."; match loosely across versions.
-_UNSUPPORTED = re.compile(r"does\s+not\s+support|not\s+supported", re.IGNORECASE)
 
 
 @dataclass(frozen=True)
@@ -104,9 +102,7 @@ def parse_npu_smi_topo(text: str) -> NpuTopology | TopoUnsupported:
     header_at = _find_header(lines)
     if header_at is None:
         first = next((ln.strip() for ln in lines if ln.strip()), "")
-        if _UNSUPPORTED.search(text):
-            return TopoUnsupported(f"npu-smi: {first}")
-        return TopoUnsupported(f"no topology matrix in npu-smi output (first line: {first[:120]!r})")
+        return TopoUnsupported(refusal(text) or f"no topology matrix in npu-smi output (first line: {first[:120]!r})")
 
     device_cols, extra_cols = _split_header(lines[header_at])
     affinity_col = next((i for i, name in enumerate(extra_cols) if _norm(name) == "cpu affinity"), None)
@@ -183,27 +179,12 @@ def _norm(name: str) -> str:
     return " ".join(name.lower().split())
 
 
-def _run_subprocess(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=NPU_SMI_TIMEOUT_S, check=False)
-
-
 def query_npu_topology(runner: CommandRunner | None = None) -> NpuTopology | TopoUnsupported:
     """Run ``npu-smi info -t topo`` (through ``runner`` when given) and parse it; never raises."""
-    run = runner or _run_subprocess
-    try:
-        proc = run(NPU_SMI_TOPO_CMD)
-    except FileNotFoundError:
-        return TopoUnsupported("npu-smi not found")
-    except subprocess.TimeoutExpired:
-        return TopoUnsupported(f"npu-smi timed out after {NPU_SMI_TIMEOUT_S}s")
-    except OSError as exc:
-        return TopoUnsupported(f"npu-smi could not run: {exc}")
-    output = f"{proc.stdout or ''}\n{proc.stderr or ''}"
-    if proc.returncode != 0:
-        if _UNSUPPORTED.search(output):
-            return TopoUnsupported(f"npu-smi: {output.strip().splitlines()[0]}")
-        return TopoUnsupported(f"npu-smi exited {proc.returncode}: {output.strip()[:200]!r}")
-    return parse_npu_smi_topo(proc.stdout or "")
+    output = run_npu_smi(NPU_SMI_TOPO_ARGS, NPU_SMI_TIMEOUT_S, runner)
+    if isinstance(output, NpuSmiFailure):
+        return TopoUnsupported(output.reason)
+    return parse_npu_smi_topo(output)
 
 
 def read_numa_nodes(sysfs_root: Path | str = DEFAULT_SYSFS_ROOT) -> dict[int, CpuList]:

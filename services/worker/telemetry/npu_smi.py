@@ -15,26 +15,18 @@ recorded outputs in tests/data/npu_smi show each of these. The shared reading ty
 
 from __future__ import annotations
 
-import os
 import re
-import shutil
-import signal
-import subprocess
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.worker.cpu_binding import NPU_SMI_TOPO_CMD
+from services.worker.npu_smi_command import CommandRunner, NpuSmiFailure, refusal, run_npu_smi
 
-# The same tool cpu_binding runs for the topology; telemetry asks for the default table instead.
-NPU_SMI_TOOL = NPU_SMI_TOPO_CMD[0]
 NPU_SMI_INFO_ARGS: tuple[str, ...] = ("info",)
 # Shorter than cpu_binding's NPU_SMI_TIMEOUT_S (a one-off at startup): this read repeats every few
 # seconds, and a slow one must not stall the next.
 DEFAULT_TIMEOUT_S = 3.0
 HEALTHY = "OK"
 MIB = 1024 * 1024
-
-CommandRunner = Callable[[Sequence[str], float], subprocess.CompletedProcess[str]]
 
 
 @dataclass(frozen=True)
@@ -64,7 +56,6 @@ ReadResult = list[ChipReading] | TelemetryError
 
 # npu-smi's refusals read "This device does not support querying <what>."; loose across versions, as in
 # cpu_binding.
-_UNSUPPORTED = re.compile(r"does\s+not\s+support|not\s+supported", re.IGNORECASE)
 # The trailing process table ("| NPU  Chip | Process id | Process name | Process memory(MB) |") ends the
 # device rows; its "No running processes found in NPU 0" lines must not be read as cards.
 _PROCESS_TABLE = re.compile(r"process\s+(id|name|memory)", re.IGNORECASE)
@@ -113,9 +104,7 @@ def _parse(text: str) -> ReadResult:
     layout = _find_layout(lines)
     if layout is None:
         first = next((ln.strip() for ln in lines if ln.strip()), "")
-        if _UNSUPPORTED.search(text):
-            return TelemetryError(f"npu-smi: {first}")
-        return TelemetryError(f"no device table in npu-smi output (first line: {first[:120]!r})")
+        return TelemetryError(refusal(text) or f"no device table in npu-smi output (first line: {first[:120]!r})")
 
     readings: list[ChipReading] = []
     card_row: list[str] | None = None
@@ -274,51 +263,9 @@ def _cell(cells: Sequence[str], index: int) -> str | None:
     return cells[index] if index < len(cells) else None
 
 
-def _run_subprocess(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
-    # A new session, so a timeout kills npu-smi and anything it started: a wrapper's children would keep
-    # the pipes open and stretch the read past its timeout. Never a shell.
-    with subprocess.Popen(
-        list(cmd),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        stdin=subprocess.DEVNULL,
-        text=True,
-        encoding="utf-8",
-        errors="replace",
-        start_new_session=True,
-    ) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            raise
-        return subprocess.CompletedProcess(list(cmd), proc.returncode, stdout, stderr)
-
-
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-
-
 def read_npu_smi(*, timeout: float = DEFAULT_TIMEOUT_S, runner: CommandRunner | None = None) -> ReadResult:
     """Run ``npu-smi info`` (found on PATH) with a timeout and parse it; never raises."""
-    path = shutil.which(NPU_SMI_TOOL)
-    if path is None:
-        return TelemetryError("npu-smi not found")
-    run = runner or _run_subprocess
-    try:
-        proc = run((path, *NPU_SMI_INFO_ARGS), timeout)
-    except FileNotFoundError:
-        return TelemetryError("npu-smi not found")
-    except subprocess.TimeoutExpired:
-        return TelemetryError(f"npu-smi timed out after {timeout:g}s")
-    except OSError as exc:
-        return TelemetryError(f"npu-smi could not run: {exc}")
-    if proc.returncode != 0:
-        output = f"{proc.stdout or ''}\n{proc.stderr or ''}".strip()
-        if _UNSUPPORTED.search(output):
-            return TelemetryError(f"npu-smi: {output.splitlines()[0]}")
-        return TelemetryError(f"npu-smi exited {proc.returncode}: {output[:200]!r}")
-    return parse_npu_smi_info(proc.stdout or "")
+    output = run_npu_smi(NPU_SMI_INFO_ARGS, timeout, runner)
+    if isinstance(output, NpuSmiFailure):
+        return TelemetryError(output.reason)
+    return parse_npu_smi_info(output)

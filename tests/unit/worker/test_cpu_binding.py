@@ -38,7 +38,7 @@ def _topo(path: Path) -> NpuTopology:
 
 
 def _runner(stdout: str = "", stderr: str = "", returncode: int = 0, calls: list[list[str]] | None = None):
-    def run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def run(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         if calls is not None:
             calls.append(list(cmd))
         return subprocess.CompletedProcess(list(cmd), returncode, stdout, stderr)
@@ -158,13 +158,13 @@ def test_query_uses_the_topo_command_and_parses_stdout() -> None:
 
 
 def test_query_failures_are_unsupported_not_raised() -> None:
-    def missing(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def missing(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         raise FileNotFoundError("npu-smi")
 
-    def slow(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def slow(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         raise subprocess.TimeoutExpired(list(cmd), 10)
 
-    def denied(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def denied(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         raise PermissionError("denied")
 
     assert query_npu_topology(missing) == TopoUnsupported("npu-smi not found")
@@ -390,7 +390,7 @@ def _forbid_setaffinity(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_apply_off_does_nothing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     _forbid_setaffinity(monkeypatch)
 
-    def no_run(cmd: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    def no_run(cmd: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         raise AssertionError("must not run npu-smi")
 
     result = apply_binding("off", device_type="npu", local_rank=0, ranks_per_node=8, runner=no_run, sysfs_root=tmp_path)

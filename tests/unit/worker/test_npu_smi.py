@@ -372,5 +372,5 @@ def test_path_with_puts_the_directory_first(tmp_path: Path) -> None:
     assert path_with(tmp_path, "") == str(tmp_path)
 
 
-def test_module_constants_match_cpu_binding() -> None:
-    assert npu_smi.NPU_SMI_TOOL == cpu_binding.NPU_SMI_TOPO_CMD[0] == "npu-smi"
+def test_telemetry_and_cpu_binding_run_one_tool() -> None:
+    assert npu_smi.run_npu_smi is cpu_binding.run_npu_smi
