@@ -38,6 +38,14 @@ class CallRecord:
 _current: contextvars.ContextVar[CallRecord | None] = contextvars.ContextVar("meshserve_call_record", default=None)
 
 
+def start_call_record() -> CallRecord:
+    """A fresh record for the call this task now handles (an RPC here, an HTTP request in the gateway's
+    access log middleware); annotate_call adds to it from anywhere below."""
+    record = CallRecord()
+    _current.set(record)
+    return record
+
+
 def annotate_call(**fields: object) -> None:
     """Add fields (request_id, prompt_tokens, ...) to the current RPC's access line; a no-op outside one."""
     record = _current.get()
@@ -151,9 +159,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
 
     def _start(self, call: _Call) -> tuple[CallRecord, float]:
         self.metrics.started.labels(*call.labels).inc()
-        record = CallRecord()
-        _current.set(record)
-        return record, time.monotonic()
+        return start_call_record(), time.monotonic()
 
     def _finish(
         self, call: _Call, record: CallRecord, started: float, code: str, context: grpc.aio.ServicerContext

@@ -130,3 +130,17 @@ async def test_errors_health_and_metrics(http_suite: tuple[Suite, int]) -> None:
         assert (await http.get("/health")).status_code == 200
         metrics = await http.get("/metrics")
         assert metrics.status_code == 200 and "meshserve:requests_started" in metrics.text
+
+
+async def test_one_access_line_per_http_request(http_suite: tuple[Suite, int]) -> None:
+    suite, port = http_suite
+    client = _client(port)
+    completion = await client.completions.create(model=await _model(client), prompt="Hello", max_tokens=3)
+    with pytest.raises(openai.BadRequestError):
+        await client.completions.create(model=await _model(client), prompt="x", max_tokens=10**6)
+    lines = [r for r in suite.log_records("gateway") if r.get("event") == "http" and r["path"] == "/v1/completions"]
+    ok = [r for r in lines if r["status"] == 200 and r.get("completion_tokens") == 3]
+    assert ok and ok[-1]["method"] == "POST" and ok[-1]["prompt_tokens"] == completion.usage.prompt_tokens
+    assert ok[-1]["request_id"] and ok[-1]["level"] == "info"
+    refused = [r for r in lines if r["status"] == 400]
+    assert refused and refused[-1]["request_id"]

@@ -16,6 +16,8 @@ import structlog
 import uvicorn
 from starlette.types import ASGIApp
 
+from services.gateway.http.access_log import AccessLog
+
 log = structlog.get_logger()
 # After the gateway drained, how long connections still open may take to finish before they are cut.
 SHUTDOWN_TIMEOUT_S = 1
@@ -79,7 +81,7 @@ class HttpServer:
         sock = _bind(self._host, self._requested_port)
         self.port = int(sock.getsockname()[1])
         config = uvicorn.Config(
-            self._app,
+            AccessLog(self._app),
             http="h11",
             ws="none",
             lifespan="off",
