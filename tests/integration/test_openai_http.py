@@ -140,6 +140,7 @@ async def test_one_access_line_per_http_request(http_suite: tuple[Suite, int]) -
         await client.completions.create(model=await _model(client), prompt="x", max_tokens=10**6)
     lines = [r for r in suite.log_records("gateway") if r.get("event") == "http" and r["path"] == "/v1/completions"]
     ok = [r for r in lines if r["status"] == 200 and r.get("completion_tokens") == 3]
+    assert completion.usage is not None
     assert ok and ok[-1]["method"] == "POST" and ok[-1]["prompt_tokens"] == completion.usage.prompt_tokens
     assert ok[-1]["request_id"] and ok[-1]["level"] == "info"
     refused = [r for r in lines if r["status"] == 400]
