@@ -1,4 +1,10 @@
-"""structlog configuration: JSON off a terminal, console on one, request ids from contextvars."""
+"""structlog configuration: JSON off a terminal, console on one, request ids from contextvars.
+
+Every line about one request carries `request_id` and `trace_id` (the W3C trace id its traceparent names,
+services/common/tracing.py), in every service: grep either across the gateway's, the scheduler's and the
+workers' logs to follow it. The gateway binds both in contextvars (one task per request); the scheduler and
+the worker, where one stream or step carries many requests, pass them on each line.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ import sys
 import structlog
 
 REQUEST_ID_KEY = "request_id"
+TRACE_ID_KEY = "trace_id"
 
 
 def configure_logging(service: str, level: str = "info", fmt: str = "auto") -> None:

@@ -37,6 +37,11 @@ class ServiceSettings(BaseSettings):
     log_format: Literal["auto", "json", "console"] = Field(
         "auto", description="log format (auto: console on a terminal, JSON otherwise)"
     )
+    otlp_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector for request spans over OTLP/gRPC (http://collector:4317; https: TLS); "
+        "unset: no spans, trace ids still carried for the logs",
+    )
     shutdown_grace_period: float = Field(
         30.0, description="seconds in-flight requests get to finish after SIGTERM", ge=0
     )

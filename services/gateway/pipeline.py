@@ -30,6 +30,7 @@ from services.common.grammar_check import check_grammar, is_constrained
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2, scheduler_pb2
 from services.common.request_context import bound_request_id
 from services.common.rpc_observer import annotate_call
+from services.common.tracing import RequestSpan, TraceContext, Tracing
 from services.gateway.admission import Admission
 from services.gateway.api_keys import ApiKeys
 from services.gateway.metrics import GatewayMetrics, RequestTimer
@@ -65,6 +66,8 @@ class Call:
     time_remaining: float | None = None
     # The `authorization` metadata or header as sent (checked by ApiKeys; never logged).
     authorization: str | None = None
+    # The caller's span, from its `traceparent` (and `tracestate`); None: the request starts a trace.
+    trace: TraceContext | None = None
 
 
 def invalid(err: ValidationError) -> StatusError:
@@ -98,6 +101,7 @@ class GenerationPipeline:
         served_model_names: Sequence[str] = (),
         api_keys: ApiKeys | None = None,
         rate_limiter: RateLimiter | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.pool = pool
@@ -107,6 +111,8 @@ class GenerationPipeline:
         self._served_names = tuple(served_model_names)
         self.api_keys = api_keys or ApiKeys(())
         self.rate_limiter = rate_limiter
+        # Each request's "generate" span (recorded only with --otlp-endpoint; its context always travels on).
+        self.tracing = tracing or Tracing("gateway")
         self.draining = False
         # Tokenization and chat templates run here, off the event loop (`tokenizers` releases the GIL).
         self._executor = executor
@@ -164,46 +170,80 @@ class GenerationPipeline:
 
         Iterate it with contextlib.aclosing: closing it early aborts the samples still running.
         """
+        # The span starts first, so that a refusal too is logged (and traced) with the request's trace id.
+        span = self.tracing.start_server_span("generate", call.trace)
+        annotate_call(request_id=call.ids.internal, trace_id=span.trace_id)
+        if span.recording:
+            span.set_attributes(self._span_attributes(request, call))
+        code = grpc.StatusCode.OK
         try:
-            self.refuse_if_draining()
-            caller = self.authenticate(call.authorization) or call.client
-            self.check_model(request.model)
-            refusal = self.admission.try_acquire(call.client)
-            if refusal is not None:
-                self.metrics.requests_refused.labels(reason="concurrency").inc()
-                raise StatusError(
-                    retry_status(
-                        grpc.StatusCode.RESOURCE_EXHAUSTED,
-                        refusal.message,
-                        refusal.retry_after,
-                        Reason.TOO_MANY_REQUESTS,
+            try:
+                self.refuse_if_draining()
+                caller = self.authenticate(call.authorization) or call.client
+                self.check_model(request.model)
+                refusal = self.admission.try_acquire(call.client)
+                if refusal is not None:
+                    self.metrics.requests_refused.labels(reason="concurrency").inc()
+                    raise StatusError(
+                        retry_status(
+                            grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            refusal.message,
+                            refusal.retry_after,
+                            Reason.TOO_MANY_REQUESTS,
+                        )
                     )
-                )
-        except StatusError as err:
-            self.metrics.errored(err.status.code)
-            log.info(
-                "request refused", request_id=call.ids.internal, code=err.status.code.name, error=err.status.details
-            )
-            raise
-        try:
-            client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
-            with bound_request_id(call.ids.internal, **client_id):
-                async for response in self._run(request, call, caller):
-                    yield response
-        except StatusError as err:
-            self.metrics.errored(err.status.code)
-            log.info(
-                "request failed", request_id=call.ids.internal, code=err.status.code.name, error=err.status.details
-            )
-            raise
+            except StatusError as err:
+                code = err.status.code
+                self._failed("request refused", call, span, err)
+                raise
+            try:
+                client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
+                with bound_request_id(call.ids.internal, trace_id=span.trace_id, **client_id):
+                    # Closed here, inside the binding, so that its last lines (a cancel) carry the ids too.
+                    async with contextlib.aclosing(self._run(request, call, caller, span)) as responses:
+                        async for response in responses:
+                            yield response
+            except StatusError as err:
+                code = err.status.code
+                self._failed("request failed", call, span, err)
+                raise
+            except (asyncio.CancelledError, GeneratorExit):
+                code = grpc.StatusCode.CANCELLED  # the client went away, or read too slowly
+                raise
+            finally:
+                self.admission.release(call.client)
         finally:
-            self.admission.release(call.client)
+            if span.recording:
+                span.set_attributes({"rpc.grpc.status_code": code.value[0]})
+            span.end()
 
-    def _failed(self, event: str, call: Call, err: StatusError) -> None:
-        """Count and log a request that ends with an error status (refused before it started, or later)."""
-        self.metrics.errored(err.status.code)
-        annotate_call(request_id=call.ids.internal)
-        log.info(event, request_id=call.ids.internal, code=err.status.code.name, error=err.status.details)
+    def _failed(self, event: str, call: Call, span: RequestSpan, err: StatusError) -> None:
+        """Count, log and trace a request that ends with an error status (refused before it started, or later)."""
+        code = err.status.code
+        self.metrics.errored(code)
+        # Outside the request's contextvars binding (a refusal comes before it): every id named here.
+        client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
+        log.info(
+            event,
+            request_id=call.ids.internal,
+            trace_id=span.trace_id,
+            code=code.name,
+            error=err.status.details,
+            **client_id,
+        )
+        if span.recording:
+            span.set_attributes({"error.type": code.name})
+            span.set_error(f"{code.name}: {err.status.details}")
+
+    def _span_attributes(self, request: generation_pb2.GenerateRequest, call: Call) -> dict[str, str]:
+        """What the generate span knows before the request is read further (only built when recording)."""
+        attributes = {
+            "meshserve.request_id": call.ids.internal,
+            "gen_ai.request.model": request.model or next(iter(self.model_names()), ""),
+        }
+        if call.ids.client:
+            attributes["meshserve.client_request_id"] = call.ids.client
+        return attributes
 
     def _limits(self) -> Limits:
         model = self.pool.limits()
@@ -246,7 +286,7 @@ class GenerationPipeline:
         return backend
 
     def _submission(
-        self, request_id: str, resolved: ResolvedRequest, index: int, call: Call
+        self, request_id: str, resolved: ResolvedRequest, index: int, call: Call, traceparent: str
     ) -> scheduler_pb2.SubmitRequest:
         sampling = resolved.sampling
         if index and sampling.HasField("seed"):
@@ -259,6 +299,7 @@ class GenerationPipeline:
             prompt_token_ids=resolved.prompt_token_ids,
             sampling=sampling,
             eos_token_ids=self.tokenizer.eos_token_ids,
+            traceparent=traceparent,
         )
         # The client's deadline travels on, so the scheduler drops the request once nobody waits for it.
         if call.time_remaining is not None:
@@ -288,7 +329,7 @@ class GenerationPipeline:
         return decision
 
     async def _run(
-        self, request: generation_pb2.GenerateRequest, call: Call, caller: str
+        self, request: generation_pb2.GenerateRequest, call: Call, caller: str, span: RequestSpan
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         resolved = await self.resolve(request)
         backend = self._pick(resolved.prompt_token_ids)
@@ -296,7 +337,9 @@ class GenerationPipeline:
         used = len(resolved.prompt_token_ids)
         ids = call.ids
         request_ids = [ids.internal] if resolved.n == 1 else [f"{ids.internal}.{i}" for i in range(resolved.n)]
-        submissions = [self._submission(rid, resolved, i, call) for i, rid in enumerate(request_ids)]
+        # Every sample's scheduler spans are children of this request's generate span.
+        traceparent = span.context.traceparent
+        submissions = [self._submission(rid, resolved, i, call, traceparent) for i, rid in enumerate(request_ids)]
         log.info(
             "generate",
             input=resolved.input_kind,
@@ -312,6 +355,7 @@ class GenerationPipeline:
             for i, s in enumerate(submissions)
         ]
         first, failed = True, False
+        finish_reasons: list[str] = []
         try:
             async with contextlib.aclosing(_events(samples)) as events:
                 async for sample, event in events:
@@ -328,33 +372,48 @@ class GenerationPipeline:
                     used += len(out.response.token_ids)
                     if out.final:
                         sample.done = True
-                        self._finished(timer, out.response)
+                        finish_reasons.append(self._finished(timer, out.response))
                     yield out.response
             timer.finished()
         finally:
-            annotate_call(completion_tokens=used - len(resolved.prompt_token_ids))
+            completion_tokens = used - len(resolved.prompt_token_ids)
+            annotate_call(completion_tokens=completion_tokens)
             unfinished = [s for s in samples if not s.done]
             for sample in unfinished:
                 # The client went away, was too slow, or the request failed: free its slot and KV blocks.
                 backend.stream.abort(sample.request_id)
-            if unfinished and not failed:
+            cancelled = bool(unfinished) and not failed
+            if cancelled:
                 self.metrics.requests_cancelled.inc()
                 log.info("request cancelled", unfinished_samples=len(unfinished))
+            if span.recording:
+                span.set_attributes(
+                    {
+                        "meshserve.n": resolved.n,
+                        "gen_ai.usage.input_tokens": len(resolved.prompt_token_ids),
+                        "gen_ai.usage.output_tokens": completion_tokens,
+                        "gen_ai.response.finish_reasons": finish_reasons,
+                        "meshserve.cancelled": cancelled,
+                    }
+                )
             if charged is not None and self.rate_limiter is not None:
                 await self.rate_limiter.record(caller, charged.correction(used))
 
     def _output(self, resolved: ResolvedRequest, index: int) -> OutputProcessor:
         return OutputProcessor(self.tokenizer, resolved.prompt_token_ids, resolved.sampling, index)
 
-    def _finished(self, timer: RequestTimer, response: generation_pb2.GenerateResponse) -> None:
+    def _finished(self, timer: RequestTimer, response: generation_pb2.GenerateResponse) -> str:
+        """Count and log one sample's end; returns its finish reason's name."""
         timer.sample_finished(response.index, response.finish_reason, response.usage)
+        reason = sampling_pb2.FinishReason.Name(response.finish_reason)
         log.info(
             "finished",
             index=response.index,
-            finish_reason=sampling_pb2.FinishReason.Name(response.finish_reason),
+            finish_reason=reason,
             completion_tokens=response.usage.completion_tokens,
             cached_tokens=response.usage.cached_tokens,
         )
+        return reason
 
 
 async def _events(samples: list[_Sample]) -> AsyncGenerator[tuple[_Sample, scheduler_pb2.RequestEvent], None]:

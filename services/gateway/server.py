@@ -12,6 +12,7 @@ from services.common.logs import configure_logging
 from services.common.metrics.names import MODEL_NAME_LABEL
 from services.common.model_paths import resolve_model_path
 from services.common.sampling_checks import InvalidField, check_eos_token_ids
+from services.common.tracing import setup_tracing
 from services.gateway.admission import Admission
 from services.gateway.api_keys import ApiKeys, read_key_file
 from services.gateway.http.app import create_app
@@ -85,6 +86,8 @@ class Gateway:
         self._executor = ThreadPoolExecutor(settings.tokenizer_threads, thread_name_prefix="tokenize")
         limits = RateLimits(settings.rate_limit_requests_per_minute, settings.rate_limit_tokens_per_minute)
         self.rate_limiter = make_rate_limiter(limits, settings.redis)
+        # --otlp-endpoint: each request's generate span goes to the collector (without: nothing is installed).
+        self.tracing = setup_tracing("gateway", settings.otlp_endpoint)
         self.pipeline = GenerationPipeline(
             tokenizer,
             self.pool,
@@ -95,6 +98,7 @@ class Gateway:
             served_model_names=settings.served_model_name,
             api_keys=load_api_keys(settings),
             rate_limiter=self.rate_limiter,
+            tracing=self.tracing,
         )
         self.servicer = GenerationServicer(self.pipeline, write_timeout=settings.stream_write_timeout)
         self.service.server.add_generic_rpc_handlers((self.servicer.handlers(),))
@@ -154,13 +158,15 @@ class Gateway:
             await self.close()
 
     async def close(self) -> None:
-        """Stop the HTTP front, end the scheduler streams and tokenizer threads (after the server stopped)."""
+        """Stop the HTTP front, end the scheduler streams and tokenizer threads (after the server stopped), and
+        export the spans still queued."""
         if self.http is not None:
             await self.http.stop()
         await self.pool.close()
         if self.rate_limiter is not None:
             await self.rate_limiter.close()
         self._executor.shutdown(wait=False, cancel_futures=True)
+        await self.tracing.shutdown()
 
 
 async def serve(settings: GatewaySettings) -> None:

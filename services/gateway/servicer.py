@@ -14,6 +14,7 @@ import grpc
 
 from services.common.errors import Reason, StatusError, make_status
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
+from services.common.tracing import trace_context_from
 from services.gateway.admission import client_key
 from services.gateway.pipeline import Call, GenerationPipeline, invalid
 from services.gateway.raw_request import parse_generate_request
@@ -128,7 +129,9 @@ class GenerationServicer:
             except ValidationError as err:
                 self.pipeline.metrics.requests_rejected.inc()
                 raise invalid(err) from err
-            call = Call(ids, client_key(context.peer()), context.time_remaining(), authorization)
+            # An invalid traceparent is ignored (the request starts its own trace), never refused.
+            trace = trace_context_from(context.invocation_metadata())
+            call = Call(ids, client_key(context.peer()), context.time_remaining(), authorization, trace)
             async with contextlib.aclosing(self.pipeline.generate(request, call)) as responses:
                 async for response in responses:
                     await emit(response)

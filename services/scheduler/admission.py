@@ -22,6 +22,7 @@ from services.common.sampling_checks import (
     check_token_ids,
     resolve_max_tokens,
 )
+from services.common.tracing import parse_traceparent
 from services.scheduler.request import Request
 from services.scheduler.submissions import Failure
 
@@ -61,6 +62,8 @@ def admit(submit: scheduler_pb2.SubmitRequest, limits: ModelLimits, now: float |
         max_tokens,
         arrival_time=now,
         deadline=deadline,
+        # An invalid traceparent is ignored like a missing one: the request gets a trace of its own.
+        trace=parse_traceparent(submit.traceparent),
     )
 
 

@@ -19,12 +19,14 @@ import structlog
 from services.common.errors import Reason
 from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.common.sampling_checks import InvalidField
+from services.common.tracing import Tracing
 from services.scheduler.admission import ModelLimits, admit
 from services.scheduler.engine import WorkerLoop, WorkerState
 from services.scheduler.kv_lookup import KVStoreLookup
 from services.scheduler.metrics import SchedulerMetrics, WorkerMetrics
 from services.scheduler.outputs import OutputProcessor
 from services.scheduler.request import Request
+from services.scheduler.request_log import RequestLog
 from services.scheduler.router import RoutingPolicy, choose_worker
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.submissions import Failure, Sink, Submission
@@ -42,6 +44,7 @@ class Cluster:
         settings: SchedulerSettings,
         metrics: SchedulerMetrics,
         on_ready_change: Callable[[bool], Awaitable[None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -50,7 +53,9 @@ class Cluster:
         self.submissions: dict[str, Submission] = {}
         # Requests of a lost worker that no other worker could take; they wait for one to attach.
         self.parked = WaitingQueue()
-        self.outputs = OutputProcessor(metrics)
+        # Each request's log lines (request_id and trace_id on each) and, with --otlp-endpoint, its spans.
+        self.request_log = RequestLog(tracing)
+        self.outputs = OutputProcessor(metrics, self.request_log)
         self.stopping = False
         # After the shutdown grace: workers end their streams even with requests left.
         self.closing = False
@@ -167,7 +172,7 @@ class Cluster:
         parked = self.parked.take_all()
         for request in parked:
             _cancel(self._wait_timers, request.request_id)
-        self._requeue(parked)
+        self._requeue(parked, f"worker {worker.worker_id} attached")
         self._update_gauges()
 
     def begin_drain(self, worker: WorkerLoop, reason: str) -> None:
@@ -176,7 +181,7 @@ class Cluster:
             return
         log.info("worker draining", worker_id=worker.worker_id, reason=reason)
         worker.state = WorkerState.DRAINING
-        self._requeue(worker.take_waiting())
+        self._requeue(worker.take_waiting(), f"worker {worker.worker_id} is draining: {reason}")
         worker.wake.set()
         self._update_gauges()
 
@@ -189,7 +194,10 @@ class Cluster:
             self.num_workers_lost += 1
             self.metrics.workers_lost.labels(reason=lost_reason.split(" ", 1)[0]).inc()
         orphans = [r for r in worker.release() if self._is_live(r.request_id)]
-        self._requeue(orphans)
+        self._requeue(
+            orphans,
+            f"worker {worker.worker_id} lost: {lost_reason}" if lost_reason else f"worker {worker.worker_id} left",
+        )
         self.num_requeued += len(orphans)
         self.metrics.requests_requeued.inc(len(orphans))
         logger = log.warning if lost_reason else log.info
@@ -211,7 +219,13 @@ class Cluster:
         return len(self.parked) + len(self._looking_up) + sum(len(w.waiting) for w in self.workers.values())
 
     def submit(self, submit: scheduler_pb2.SubmitRequest, sink: Sink) -> Submission | Failure:
-        """Admit, route and queue a request whose events go to sink; or why not."""
+        """Admit, route and queue a request whose events go to sink; or why not (logged, every refusal)."""
+        admitted = self._admit(submit, sink)
+        if isinstance(admitted, Failure):
+            self.request_log.refused(submit, admitted)
+        return admitted
+
+    def _admit(self, submit: scheduler_pb2.SubmitRequest, sink: Sink) -> Submission | Failure:
         retry = self.settings.retry_after
         if self.stopping:
             return Failure(
@@ -241,14 +255,14 @@ class Cluster:
         self.submissions[admitted.request_id] = sub
         self._idle.clear()
         if self._store_formats() and admitted.num_tokens > 1:
-            self._look_up_then_place([admitted], front=False)
-        else:
-            self._route(admitted)
+            # Logged as submitted once routed, after the lookup.
+            self._look_up_then_place([admitted])
+        elif self._route(admitted):
+            self.request_log.submitted(admitted)
         if admitted.deadline is not None:
             self._deadline_timers[admitted.request_id] = _later(
                 admitted.deadline - time.monotonic(), self._deadline_passed, admitted.request_id
             )
-        log.debug("submitted", request_id=admitted.request_id, prompt_tokens=admitted.num_prompt_tokens)
         self._update_gauges()
         return sub
 
@@ -269,6 +283,14 @@ class Cluster:
     def abort(self, request_id: str) -> bool:
         """Take the request out of every queue and worker (its blocks are freed); whether it was found."""
         sub = self.submissions.get(request_id)
+        running = sub is not None and not sub.finished
+        found = self._take_out(request_id)
+        if found or running:
+            self.request_log.aborted(sub, request_id)
+        return found
+
+    def _take_out(self, request_id: str) -> bool:
+        sub = self.submissions.get(request_id)
         if sub is not None:
             sub.finished = True
         found = self.parked.remove(request_id) is not None
@@ -277,7 +299,6 @@ class Cluster:
             found = worker.abort(request_id) or found
         if found:
             self.outputs.finished()
-            log.info("aborted", request_id=request_id)
         self._update_gauges()
         return found
 
@@ -286,7 +307,8 @@ class Cluster:
         sub = self.submissions.get(request_id)
         if sub is None or sub.finished:
             return
-        self.abort(request_id)
+        self._take_out(request_id)
+        self.request_log.failed(sub, failure)
         sub.send(failure)
 
     def dispatch(self, outputs: list[RequestOutput]) -> None:
@@ -298,7 +320,8 @@ class Cluster:
         return sub is not None and not sub.finished
 
     def _route(self, request: Request, front: bool = False) -> bool:
-        """Put a request on the best ready worker's queue; False when none can hold it."""
+        """Put a request on the best ready worker's queue (request.worker_id says whose); False when none can
+        hold it."""
         total = request.num_prompt_tokens + request.max_tokens
         candidates = [w for w in self.ready_workers() if w.planner.can_ever_fit(total)]
         if not candidates:
@@ -308,6 +331,7 @@ class Cluster:
         self._turn += 1
         worker = self.workers[chosen]
         worker.enqueue(request, front=front, work=request.num_tokens - seen[chosen].cached_tokens)
+        request.worker_id = chosen
         self.metrics.routed.labels(worker=chosen).inc()
         return True
 
@@ -320,8 +344,9 @@ class Cluster:
         }
         return sorted(formats)
 
-    def _look_up_then_place(self, requests: list[Request], front: bool) -> None:
-        """Ask the kvstore how much of each request is stored, then route them (in their order)."""
+    def _look_up_then_place(self, requests: list[Request], requeued: str | None = None) -> None:
+        """Ask the kvstore how much of each request is stored, then route them (in their order); `requeued`:
+        why they left their worker (None for new submissions), see _place."""
         assert self.kv_lookup is not None
         lookup = self.kv_lookup
         formats = self._store_formats()
@@ -334,31 +359,45 @@ class Cluster:
             finally:
                 # Those aborted meanwhile were taken out of _looking_up.
                 live = [r for r in requests if self._looking_up.pop(r.request_id, None) is not None]
-                self._place(live, front)
+                self._place(live, requeued)
                 self._update_gauges()
 
         task = asyncio.get_running_loop().create_task(run())
         self._lookup_tasks.add(task)
         task.add_done_callback(self._lookup_tasks.discard)
 
-    def _requeue(self, requests: list[Request]) -> None:
-        """Requests that must run elsewhere go to the heads of other workers' queues (in their order), or
-        wait up to --worker-wait-timeout for a worker when none is ready. With a kvstore they first learn
-        what of them is stored, so they resume from saved blocks instead of recomputing."""
+    def _requeue(self, requests: list[Request], why: str) -> None:
+        """Requests that must run elsewhere (`why`: their worker was lost, left, or a worker came for the parked
+        ones) go to the heads of other workers' queues (in their order), or wait up to --worker-wait-timeout
+        for a worker when none is ready. With a kvstore they first learn what of them is stored, so they
+        resume from saved blocks instead of recomputing."""
         if requests and self._store_formats():
-            self._look_up_then_place(requests, front=True)
+            self._look_up_then_place(requests, requeued=why)
         else:
-            self._place(requests, front=True)
+            self._place(requests, requeued=why)
 
-    def _place(self, requests: list[Request], front: bool) -> None:
+    def _place(self, requests: list[Request], requeued: str | None) -> None:
+        """Route new submissions (requeued None) in order, or requeued ones to the heads of queues; each is
+        logged with the worker it went to."""
+        front = requeued is not None
         for request in reversed(requests) if front else requests:
+            previous = request.worker_id
             if self._route(request, front=front):
+                if requeued is None:
+                    self.request_log.submitted(request)
+                else:
+                    self.request_log.requeued(request, previous, requeued)
                 continue
             if self.ready_workers() or self.stopping:
                 why = "no attached worker can hold this request" if not self.stopping else "scheduler is shutting down"
                 self.fail(request.request_id, Failure(grpc.StatusCode.UNAVAILABLE, why))
                 continue
             self.parked.prepend(request)
+            request.worker_id = ""
+            if requeued is None:
+                self.request_log.submitted(request)  # with no worker: it waits for one to attach
+            else:
+                self.request_log.requeued(request, previous, requeued)
             self._wait_timers[request.request_id] = _later(
                 self.settings.worker_wait_timeout, self._wait_expired, request.request_id
             )

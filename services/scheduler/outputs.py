@@ -1,4 +1,5 @@
-"""A step's results become TokenEvents for their callers, and the request phases' metrics."""
+"""A step's results become TokenEvents for their callers, the request phases' metrics, and each ended
+request's log line and spans."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import grpc
 from services.common.errors import Reason
 from services.common.proto.meshserve.v1 import scheduler_pb2
 from services.scheduler.metrics import SchedulerMetrics
+from services.scheduler.request_log import RequestLog
 from services.scheduler.submissions import Failure, Submission
 from services.scheduler.worker_scheduler import RequestOutput
 
@@ -16,8 +18,9 @@ from services.scheduler.worker_scheduler import RequestOutput
 class OutputProcessor:
     """Sends each request's new tokens (and its end) to its caller's sink, counting what finished."""
 
-    def __init__(self, metrics: SchedulerMetrics) -> None:
+    def __init__(self, metrics: SchedulerMetrics, request_log: RequestLog | None = None) -> None:
         self.metrics = metrics
+        self.request_log = request_log or RequestLog()
         self.num_finished = 0
 
     def process(self, outputs: list[RequestOutput], submissions: dict[str, Submission]) -> None:
@@ -36,6 +39,7 @@ class OutputProcessor:
                     failure = Failure(
                         grpc.StatusCode.INTERNAL, f"the worker failed: {out.error}", reason=Reason.WORKER_FAILED
                     )
+                self.request_log.failed(sub, failure)
                 sub.send(failure)
                 continue
             sub.send(self._event(sub, out, now))
@@ -57,6 +61,7 @@ class OutputProcessor:
             sub.finished = True
             self.finished()
             self.metrics.request_phases(req, sub.first_token_at, now)
+            self.request_log.finished(sub, event.finish_reason, now)
         return event
 
     def finished(self) -> None:

@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.common.tracing import TraceContext, new_trace
 from services.scheduler.block_hash import hash_block_tokens
 
 
@@ -51,6 +52,7 @@ class Request:
         max_tokens: int,
         arrival_time: float | None = None,
         deadline: float | None = None,
+        trace: TraceContext | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError(f"request {request_id}: empty prompt")
@@ -68,6 +70,11 @@ class Request:
         self.first_scheduled_at: float | None = None
         # time.monotonic() by which the caller gives up (its gRPC deadline); None: no deadline.
         self.deadline = deadline
+        # The caller's span (SubmitRequest.traceparent): the parent of this request's phase spans, its trace id
+        # on every log line, sent on to the worker. A caller that sent none gets a trace of its own.
+        self.trace = trace if trace is not None else new_trace()
+        # The worker whose queue or batch holds it now ("" before routing), for its log lines and spans.
+        self.worker_id = ""
         self.output_token_ids: list[int] = []
         # Tokens whose KV is in (or, for steps in flight, being written to) this request's blocks.
         self.num_computed_tokens = 0
@@ -94,6 +101,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def trace_id(self) -> str:
+        return self.trace.trace_id
 
     @property
     def num_tokens_with_pending(self) -> int:

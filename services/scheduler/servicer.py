@@ -16,6 +16,7 @@ from services.common.proto.meshserve.v1 import (
     worker_pb2,
 )
 from services.common.sampling_checks import InvalidField
+from services.common.tracing import Tracing
 from services.scheduler.cluster import Cluster
 from services.scheduler.metrics import SchedulerMetrics
 from services.scheduler.settings import SchedulerSettings
@@ -35,8 +36,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         settings: SchedulerSettings,
         metrics: SchedulerMetrics,
         on_ready_change: Callable[[bool], Awaitable[None]] | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
-        self.cluster = Cluster(settings, metrics, on_ready_change)
+        self.cluster = Cluster(settings, metrics, on_ready_change, tracing)
         # Open Stream calls (one per gateway), ended by drain() once their requests are done.
         self.streams: set[StreamOut] = set()
 

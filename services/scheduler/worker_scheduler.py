@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import structlog
+
 from services.common.grpc_server import MAX_MESSAGE_BYTES
 from services.common.kv_store_limits import MAX_BLOCK_HASHES
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
@@ -14,6 +16,8 @@ from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, check_stop
 from services.scheduler.waiting_queue import WaitingQueue
+
+log = structlog.get_logger()
 
 # A Step's new requests carry their whole prompt; past this many bytes (an upper estimate) the rest wait for
 # the next step, so a Step always fits the internal message limit however many long prompts arrive at once.
@@ -353,6 +357,18 @@ class WorkerScheduler:
         self.kv_store_load_misses += num_missed
         if self.listener is not None:
             self.listener.kv_loaded(num_loaded * self.block_size, num_missed)
+        if num_missed:
+            # The worker's own lines about this load name only its load_id (and tp_rank): this one ties them
+            # to the request. Not an error: the missed blocks are recomputed.
+            log.info(
+                "kv load short",
+                request_id=request.request_id,
+                trace_id=request.trace_id,
+                worker=self.worker_id,
+                load_id=done.load_id,
+                loaded_blocks=num_loaded,
+                missed_blocks=num_missed,
+            )
         if request.is_finished:
             # Aborted while its blocks were being written: only now may they be reused.
             self.kv.free(request)
@@ -417,6 +433,7 @@ class WorkerScheduler:
                     num_computed_tokens=p.num_computed,
                     num_scheduled_tokens=p.num_scheduled,
                     eos_token_ids=() if r.sampling.ignore_eos else sorted(r.eos_token_ids),
+                    traceparent=r.trace.traceparent,
                 )
             )
             self._on_worker.add(r.request_id)

@@ -41,6 +41,16 @@ class StepExecutor(Protocol):
     def reset(self) -> None: ...
 
 
+class StepRejected(ValueError):
+    """An executor refuses a step because of one request in it (the scheduler's view and the worker's differ):
+    the step's result carries the error, and the log line names the request and its trace."""
+
+    def __init__(self, request_id: str, message: str, trace_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+        self.trace_id = trace_id
+
+
 class ModelThreadHung(RuntimeError):
     """A step kept running long after its stream ended: only a new process recovers the engine."""
 
@@ -172,7 +182,10 @@ class AttachClient:
         try:
             return self.executor.execute(step)
         except Exception as err:  # a bad step must not take the worker down
-            log.exception("step failed", step_id=step.step_id)
+            if isinstance(err, StepRejected):
+                log.exception("step failed", step_id=step.step_id, request_id=err.request_id, trace_id=err.trace_id)
+            else:
+                log.exception("step failed", step_id=step.step_id)
             return worker_pb2.StepResult(
                 step_id=step.step_id,
                 error=f"{type(err).__name__}: {err}",

@@ -13,6 +13,8 @@ import torch
 
 from services.common.grammar_check import is_constrained
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
+from services.common.tracing import trace_id_of
+from services.worker.attach import StepRejected
 from services.worker.distributed import SINGLE, DistInit, init_tp_group
 from services.worker.engine_config import EngineConfig
 from services.worker.grammar import GrammarCompileError, GrammarEngine, GrammarError
@@ -107,6 +109,8 @@ class ModelRunner:
             source, kv_dtype=str(self.precision.kv_dtype).removeprefix("torch."), block_size=self.block_size
         )
         self.batch = InputBatch()
+        # Rank 0 only (it alone logs per request): each held request's trace id, for its lines after it joined.
+        self._trace_ids: dict[str, str | None] = {}
         self.sampler = Sampler(config.seed)
         # Rank 0 samples, so it alone holds grammar matchers; None when the model has no tokenizer.json. Built
         # here (~0.5 s for the token trie), not on the first constrained request: that would stall its whole step.
@@ -185,20 +189,29 @@ class ModelRunner:
             return None
         return GrammarEngine(source.directory, vocab_size)
 
-    def _match_grammar(self, cached: CachedRequest, output_token_ids: Sequence[int]) -> None:
+    def _match_grammar(self, cached: CachedRequest, output_token_ids: Sequence[int], traceparent: str) -> None:
         """Give a constrained request its matcher, replaying the tokens it already has (after a move or a
         preemption); a grammar that fails marks this request alone."""
         if not self.tp.is_driver or not is_constrained(cached.sampling):
             return
         if self.grammar is None:
             cached.failure = ("sampling.grammar", "this worker's model has no tokenizer.json for structured outputs")
-            return
-        try:
-            cached.grammar = self.grammar.matcher(cached.sampling.grammar, output_token_ids)
-        except GrammarCompileError as err:
-            cached.failure = (err.field, err.description)
-        except GrammarError as err:
-            cached.failure = ("", f"the request's tokens do not satisfy its grammar: {err}")
+        else:
+            try:
+                cached.grammar = self.grammar.matcher(cached.sampling.grammar, output_token_ids)
+            except GrammarCompileError as err:
+                cached.failure = (err.field, err.description)
+            except GrammarError as err:
+                cached.failure = ("", f"the request's tokens do not satisfy its grammar: {err}")
+        if cached.failure is not None:
+            self._grammar_failed(cached, trace_id_of(traceparent))
+
+    @staticmethod
+    def _grammar_failed(cached: CachedRequest, trace_id: str | None) -> None:
+        """The request ends with this error at its next sample (the scheduler fails it alone)."""
+        assert cached.failure is not None
+        field, error = cached.failure
+        log.info("grammar_failed", request_id=cached.request_id, trace_id=trace_id, field=field or None, error=error)
 
     def _start_kv_transfer(self, arch: LlamaArch) -> KVTransfer | None:
         """This rank's loader and saver of its KV heads, when --kv-store is set."""
@@ -297,7 +310,9 @@ class ModelRunner:
         else:
             self._loads_without_store.extend(load.load_id for load in step.kv_loads)
         for request_id in step.removed_request_ids:
-            self.batch.remove(request_id)
+            removed = self.batch.remove(request_id)
+            if removed is not None and self.tp.is_driver:
+                self._left(removed, "removed")
         work = self._apply(step)
         result = worker_pb2.StepResult(step_id=step.step_id)
         if work:
@@ -339,8 +354,37 @@ class ModelRunner:
         result.kv_loads_done.extend(worker_pb2.KVLoadDone(load_id=i, num_loaded=n) for i, n in reported)
         result.kv_saves_dropped = dropped
 
+    def _joined(self, cached: CachedRequest, traceparent: str) -> None:
+        """Rank 0: a request joined the persistent batch (new, or back after a preemption or a move)."""
+        trace_id = self._trace_ids[cached.request_id] = trace_id_of(traceparent)
+        log.info(
+            "request_joined",
+            request_id=cached.request_id,
+            trace_id=trace_id,
+            prompt_tokens=cached.num_prompt_tokens,
+            # Prefix-cache hits (and blocks loaded from the kvstore): what this worker does not compute.
+            num_computed_tokens=cached.num_computed_tokens,
+            output_tokens=cached.num_output_tokens,
+        )
+
+    def _left(self, cached: CachedRequest, why: str) -> None:
+        """Rank 0: a request left the persistent batch (finished, aborted or preempted; or the stream reset)."""
+        log.info(
+            "request_left",
+            request_id=cached.request_id,
+            trace_id=self._trace_ids.pop(cached.request_id, None),
+            output_tokens=cached.num_output_tokens,
+            why=why,
+        )
+
     def reset(self) -> None:
         """Forget every request and kvstore load (a new scheduler stream starts from nothing)."""
+        if self.tp.is_driver:
+            for request_id in self.batch.request_ids():
+                removed = self.batch.remove(request_id)
+                if removed is not None:
+                    self._left(removed, "reset")
+            self._trace_ids.clear()
         self.batch = InputBatch()
         self._loads_without_store.clear()
         if self.kv_transfer is not None:
@@ -357,19 +401,31 @@ class ModelRunner:
         del self.model
 
     def _apply(self, step: worker_pb2.Step) -> list[_Scheduled]:
-        """Validate the whole step, then add new requests and extend block tables."""
+        """Validate the whole step, then add new requests and extend block tables; a step refused because of
+        one request raises StepRejected naming it (and its trace id)."""
+        try:
+            return self._apply_checked(step)
+        except StepRejected as err:
+            # Only on this rare path: the id's trace, from the step if it is new, else from when it joined.
+            traceparent = next((r.traceparent for r in step.new_requests if r.request_id == err.request_id), "")
+            err.trace_id = trace_id_of(traceparent) or self._trace_ids.get(err.request_id)
+            raise
+
+    def _apply_checked(self, step: worker_pb2.Step) -> list[_Scheduled]:
         seen: set[str] = set()
         new: list[_Scheduled] = []
         for req in step.new_requests:
             self._check_id(req.request_id, seen)
             if req.request_id in self.batch:
-                raise ValueError(f"new request {req.request_id!r} is already in the worker's batch")
+                raise StepRejected(req.request_id, f"new request {req.request_id!r} is already in the worker's batch")
             if not req.prompt_token_ids:
-                raise ValueError(f"request {req.request_id!r} has an empty prompt")
+                raise StepRejected(req.request_id, f"request {req.request_id!r} has an empty prompt")
             tokens = list(req.prompt_token_ids) + list(req.output_token_ids)
             bad = [t for t in tokens if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"request {req.request_id!r} has token id {bad[0]} outside [0, {self.vocab_size})")
+                raise StepRejected(
+                    req.request_id, f"request {req.request_id!r} has token id {bad[0]} outside [0, {self.vocab_size})"
+                )
             blocks = list(req.block_ids)
             self._check_work(req.request_id, req.num_computed_tokens, req.num_scheduled_tokens, tokens, blocks)
             cached = CachedRequest(
@@ -382,16 +438,20 @@ class ModelRunner:
                 sampling=_copy_params(req.sampling),
                 eos_token_ids=tuple(req.eos_token_ids),
             )
-            self._match_grammar(cached, req.output_token_ids)
+            self._match_grammar(cached, req.output_token_ids, req.traceparent)
             new.append(_Scheduled(cached, req.num_scheduled_tokens))
         running: list[tuple[_Scheduled, list[int]]] = []
         for sched in step.scheduled:
             self._check_id(sched.request_id, seen)
-            cached = self.batch.get(sched.request_id)
+            try:
+                cached = self.batch.get(sched.request_id)
+            except ValueError as err:
+                raise StepRejected(sched.request_id, str(err)) from None
             if sched.num_computed_tokens != cached.num_computed_tokens:
-                raise ValueError(
+                raise StepRejected(
+                    sched.request_id,
                     f"request {sched.request_id!r}: scheduler says num_computed_tokens="
-                    f"{sched.num_computed_tokens}, worker has {cached.num_computed_tokens}"
+                    f"{sched.num_computed_tokens}, worker has {cached.num_computed_tokens}",
                 )
             blocks = cached.block_ids + list(sched.new_block_ids)
             self._check_work(
@@ -406,6 +466,10 @@ class ModelRunner:
             raise ValueError(f"step schedules {len(work)} requests > --max-num-seqs")
         for item in new:
             self.batch.add(item.request)
+        if self.tp.is_driver:
+            # One line per request that joins (never per step or token); `new` follows step.new_requests.
+            for item, req in zip(new, step.new_requests, strict=True):
+                self._joined(item.request, req.traceparent)
         for item, new_blocks in running:
             self.batch.extend_blocks(item.request, new_blocks)
         return work
@@ -415,28 +479,31 @@ class ModelRunner:
         if not request_id:
             raise ValueError("request_id must not be empty")
         if request_id in seen:
-            raise ValueError(f"request {request_id!r} appears twice in one step")
+            raise StepRejected(request_id, f"request {request_id!r} appears twice in one step")
         seen.add(request_id)
 
     def _check_work(
         self, request_id: str, num_computed: int, num_scheduled: int, tokens: list[int], blocks: list[int]
     ) -> None:
         if num_scheduled < 1:
-            raise ValueError(f"request {request_id!r}: num_scheduled_tokens must be >= 1")
+            raise StepRejected(request_id, f"request {request_id!r}: num_scheduled_tokens must be >= 1")
         end = num_computed + num_scheduled
         if end > len(tokens):
-            raise ValueError(
-                f"request {request_id!r}: computing up to token {end} but it has only {len(tokens)} tokens"
+            raise StepRejected(
+                request_id, f"request {request_id!r}: computing up to token {end} but it has only {len(tokens)} tokens"
             )
         if end > self.max_model_len:
-            raise ValueError(f"request {request_id!r}: {end} tokens exceed --max-model-len={self.max_model_len}")
+            raise StepRejected(
+                request_id, f"request {request_id!r}: {end} tokens exceed --max-model-len={self.max_model_len}"
+            )
         if len(blocks) * self.block_size < end:
-            raise ValueError(
-                f"request {request_id!r}: {len(blocks)} blocks of {self.block_size} cannot hold {end} tokens"
+            raise StepRejected(
+                request_id,
+                f"request {request_id!r}: {len(blocks)} blocks of {self.block_size} cannot hold {end} tokens",
             )
         bad = [b for b in blocks if b >= self.num_blocks]
         if bad:
-            raise ValueError(f"request {request_id!r}: block id {bad[0]} >= num_blocks={self.num_blocks}")
+            raise StepRejected(request_id, f"request {request_id!r}: block id {bad[0]} >= num_blocks={self.num_blocks}")
 
     def _run(self, work: list[_Scheduled], result: worker_pb2.StepResult) -> None:
         """Forward the flat batch, sample the rows that reached their end (rank 0), advance the batch."""
@@ -505,6 +572,7 @@ class ModelRunner:
                 # Only if a mask was not applied; the request fails alone, the step goes on.
                 request.failure = ("", f"the sampled token broke the grammar: {err}")
                 request.grammar = None
+                self._grammar_failed(request, self._trace_ids.get(request.request_id))
 
     def forward(
         self,

@@ -23,6 +23,7 @@ import torch
 
 from services.common.logs import configure_logging
 from services.common.proto.meshserve.v1 import worker_pb2
+from services.worker.attach import StepRejected
 from services.worker.cpu_binding import apply_binding, format_cpulist
 from services.worker.distributed import DistInit, destroy_tp_group
 from services.worker.engine_config import EngineConfig
@@ -85,7 +86,8 @@ def serve_commands(runner: ModelRunner) -> None:
             runner.execute(step)
         except ValueError as err:
             # Rank 0 validated the same step against the same state and reports the error upstream.
-            log.debug("step_rejected", step_id=step.step_id, error=str(err))
+            named = {"request_id": err.request_id, "trace_id": err.trace_id} if isinstance(err, StepRejected) else {}
+            log.debug("step_rejected", step_id=step.step_id, error=str(err), **named)
 
 
 def _die_with_parent() -> None:

@@ -30,6 +30,7 @@ from services.common.metrics.exposition import CONTENT_TYPE, Exposition
 from services.common.proto.meshserve.v1 import generation_pb2
 from services.common.request_context import METADATA_KEY, check_request_id, new_request_id
 from services.common.sampling_checks import InvalidField
+from services.common.tracing import trace_context_from
 from services.gateway.admission import client_key
 from services.gateway.http.fanout import PromptFailed, merged
 from services.gateway.http.http_errors import OpenAIError, from_invalid_field, from_status, internal_error
@@ -301,7 +302,9 @@ class _Api:
         public = client_id or ids[0].internal
         headers[METADATA_KEY] = public
         peer = _peer(request)
-        calls = [Call(ids=i, client=peer, authorization=authorization) for i in ids]
+        # Each prompt's generate span is a child of the client's traceparent header (ignored when invalid).
+        trace = trace_context_from(request.headers)
+        calls = [Call(ids=i, client=peer, authorization=authorization, trace=trace) for i in ids]
         model_name = job.model or next(iter(self.pipeline.model_names()), "")
         answer = Answer(job, self._texts, f"{id_prefix}-{public}", model_name, int(time.time()))
         return _Run(self, job, calls, answer, headers)

@@ -235,7 +235,7 @@ async def test_an_expired_deadline_is_never_submitted(tok: TextTokenizer) -> Non
         resolved = await pipeline.resolve(_req())
         expired = Call(RequestIds("x", None), "client", _Expired().time_remaining())
         with pytest.raises(StatusError) as info:
-            pipeline._submission("x", resolved, 0, expired)
+            pipeline._submission("x", resolved, 0, expired, "")
         assert info.value.status.code == grpc.StatusCode.DEADLINE_EXCEEDED
         assert fake.submits == []
 

@@ -27,7 +27,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2 as meshserve_dot_v1_
 from services.common.proto.meshserve.v1 import worker_pb2 as meshserve_dot_v1_dot_worker__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/scheduler.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\x1a\x19meshserve/v1/worker.proto\"\xb6\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1c\n\x0ftimeout_seconds\x18\x05 \x01(\x01H\x00\x88\x01\x01\x42\x12\n\x10_timeout_seconds\"\x89\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12)\n\tstop_kind\x18\x06 \x01(\x0e\x32\x16.meshserve.v1.StopKind\x12/\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.TopLogprobsB\x10\n\x0e_stop_token_id\"s\n\rStreamRequest\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.meshserve.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"~\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x1b\n\x13retry_after_seconds\x18\x05 \x01(\x02\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x83\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenEventH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"<\n\x0eStreamResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.RequestEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xfb\x02\n\x0fWorkerPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nnum_routed\x18\x08 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x11\n\tnum_steps\x18\x0b \x01(\x04\x12\x1e\n\x16kv_store_loaded_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14kv_store_load_misses\x18\r \x01(\x04\x12\x16\n\x0ekv_store_saves\x18\x0e \x01(\x04\x12\x1e\n\x16kv_store_saves_dropped\x18\x0f \x01(\x04\"\xf2\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12\x17\n\x0fnum_mixed_steps\x18\x04 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12.\n\x07workers\x18\t \x03(\x0b\x32\x1d.meshserve.v1.WorkerPoolStats\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x18\n\x10num_workers_lost\x18\x0b \x01(\x04\x12\x14\n\x0cnum_requeued\x18\x0c \x01(\x04\x12\x18\n\x10kv_store_enabled\x18\r \x01(\x08\x12\x1e\n\x16kv_store_loaded_tokens\x18\x0e \x01(\x04\x12\x1c\n\x14kv_store_load_misses\x18\x0f \x01(\x04\x12\x18\n\x10kv_store_lookups\x18\x10 \x01(\x04\x12\x1e\n\x16kv_store_lookup_errors\x18\x11 \x01(\x04\x12\x18\n\x10kv_store_resumed\x18\x12 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\xa6\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11num_ready_workers\x18\x05 \x01(\r\x12\x11\n\taccepting\x18\x06 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x07 \x01(\r*}\n\x08StopKind\x12\x19\n\x15STOP_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rSTOP_KIND_EOS\x10\x01\x12\x18\n\x14STOP_KIND_STOP_TOKEN\x10\x02\x12\x14\n\x10STOP_KIND_LENGTH\x10\x03\x12\x13\n\x0fSTOP_KIND_ABORT\x10\x04\x32\xb9\x03\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.meshserve.v1.SubmitRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12G\n\x06Stream\x12\x1b.meshserve.v1.StreamRequest\x1a\x1c.meshserve.v1.StreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12I\n\x06\x41ttach\x12\x1b.meshserve.v1.WorkerMessage\x1a\x1e.meshserve.v1.SchedulerMessage(\x01\x30\x01\x12G\n\x08GetStats\x12\x1d.meshserve.v1.GetStatsRequest\x1a\x1c.meshserve.v1.SchedulerStats\x12J\n\x0cGetModelInfo\x12!.meshserve.v1.GetModelInfoRequest\x1a\x17.meshserve.v1.ModelInfoBr\n\x0fio.meshserve.v1B\x0eSchedulerProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cmeshserve/v1/scheduler.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\x1a\x19meshserve/v1/worker.proto\"\xcb\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x1c\n\x0ftimeout_seconds\x18\x05 \x01(\x01H\x00\x88\x01\x01\x12\x13\n\x0btraceparent\x18\x06 \x01(\tB\x12\n\x10_timeout_seconds\"\x89\x02\n\nTokenEvent\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.meshserve.v1.FinishReason\x12\x19\n\x11num_cached_tokens\x18\x04 \x01(\r\x12\x1a\n\rstop_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12)\n\tstop_kind\x18\x06 \x01(\x0e\x32\x16.meshserve.v1.StopKind\x12/\n\x0ctop_logprobs\x18\x07 \x03(\x0b\x32\x19.meshserve.v1.TopLogprobsB\x10\n\x0e_stop_token_id\"s\n\rStreamRequest\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.meshserve.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.meshserve.v1.AbortRequestH\x00\x42\x06\n\x04kind\"~\n\x0cRequestError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\x05\x12\x0f\n\x07message\x18\x02 \x01(\t\x12\r\n\x05\x66ield\x18\x03 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x04 \x01(\t\x12\x1b\n\x13retry_after_seconds\x18\x05 \x01(\x02\x12\x0e\n\x06reason\x18\x06 \x01(\t\"\x83\x01\n\x0cRequestEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12*\n\x06tokens\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.TokenEventH\x00\x12+\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x1a.meshserve.v1.RequestErrorH\x00\x42\x06\n\x04kind\"<\n\x0eStreamResponse\x12*\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1a.meshserve.v1.RequestEvent\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xfb\x02\n\x0fWorkerPoolStats\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x03 \x01(\r\x12\x19\n\x11num_cached_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_running\x18\x05 \x01(\r\x12\r\n\x05state\x18\x06 \x01(\t\x12\x13\n\x0bnum_waiting\x18\x07 \x01(\r\x12\x12\n\nnum_routed\x18\x08 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x11\n\tnum_steps\x18\x0b \x01(\x04\x12\x1e\n\x16kv_store_loaded_tokens\x18\x0c \x01(\x04\x12\x1c\n\x14kv_store_load_misses\x18\r \x01(\x04\x12\x16\n\x0ekv_store_saves\x18\x0e \x01(\x04\x12\x1e\n\x16kv_store_saves_dropped\x18\x0f \x01(\x04\"\xf2\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_waiting\x18\x01 \x01(\r\x12\x13\n\x0bnum_running\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\x04\x12\x17\n\x0fnum_mixed_steps\x18\x04 \x01(\x04\x12\x16\n\x0emax_batch_size\x18\x05 \x01(\r\x12\x17\n\x0fnum_preemptions\x18\x06 \x01(\x04\x12\x1c\n\x14prefix_cache_queries\x18\x07 \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\x08 \x01(\x04\x12.\n\x07workers\x18\t \x03(\x0b\x32\x1d.meshserve.v1.WorkerPoolStats\x12\x14\n\x0cnum_finished\x18\n \x01(\x04\x12\x18\n\x10num_workers_lost\x18\x0b \x01(\x04\x12\x14\n\x0cnum_requeued\x18\x0c \x01(\x04\x12\x18\n\x10kv_store_enabled\x18\r \x01(\x08\x12\x1e\n\x16kv_store_loaded_tokens\x18\x0e \x01(\x04\x12\x1c\n\x14kv_store_load_misses\x18\x0f \x01(\x04\x12\x18\n\x10kv_store_lookups\x18\x10 \x01(\x04\x12\x1e\n\x16kv_store_lookup_errors\x18\x11 \x01(\x04\x12\x18\n\x10kv_store_resumed\x18\x12 \x01(\x04\"\x15\n\x13GetModelInfoRequest\"\xa6\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x16\n\x0emodel_identity\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x19\n\x11num_ready_workers\x18\x05 \x01(\r\x12\x11\n\taccepting\x18\x06 \x01(\x08\x12\x14\n\x0cnum_requests\x18\x07 \x01(\r*}\n\x08StopKind\x12\x19\n\x15STOP_KIND_UNSPECIFIED\x10\x00\x12\x11\n\rSTOP_KIND_EOS\x10\x01\x12\x18\n\x14STOP_KIND_STOP_TOKEN\x10\x02\x12\x14\n\x10STOP_KIND_LENGTH\x10\x03\x12\x13\n\x0fSTOP_KIND_ABORT\x10\x04\x32\xb9\x03\n\tScheduler\x12\x41\n\x06Submit\x12\x1b.meshserve.v1.SubmitRequest\x1a\x18.meshserve.v1.TokenEvent0\x01\x12G\n\x06Stream\x12\x1b.meshserve.v1.StreamRequest\x1a\x1c.meshserve.v1.StreamResponse(\x01\x30\x01\x12@\n\x05\x41\x62ort\x12\x1a.meshserve.v1.AbortRequest\x1a\x1b.meshserve.v1.AbortResponse\x12I\n\x06\x41ttach\x12\x1b.meshserve.v1.WorkerMessage\x1a\x1e.meshserve.v1.SchedulerMessage(\x01\x30\x01\x12G\n\x08GetStats\x12\x1d.meshserve.v1.GetStatsRequest\x1a\x1c.meshserve.v1.SchedulerStats\x12J\n\x0cGetModelInfo\x12!.meshserve.v1.GetModelInfoRequest\x1a\x17.meshserve.v1.ModelInfoBr\n\x0fio.meshserve.v1B\x0eSchedulerProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,34 +35,34 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'meshserve.v1.scheduler_pb2'
 if not _descriptor._USE_C_DESCRIPTORS:
   _globals['DESCRIPTOR']._loaded_options = None
   _globals['DESCRIPTOR']._serialized_options = b'\n\017io.meshserve.v1B\016SchedulerProtoP\001Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\252\002\014Meshserve.V1'
-  _globals['_STOPKIND']._serialized_start=2158
-  _globals['_STOPKIND']._serialized_end=2283
+  _globals['_STOPKIND']._serialized_start=2179
+  _globals['_STOPKIND']._serialized_end=2304
   _globals['_SUBMITREQUEST']._serialized_start=103
-  _globals['_SUBMITREQUEST']._serialized_end=285
-  _globals['_TOKENEVENT']._serialized_start=288
-  _globals['_TOKENEVENT']._serialized_end=553
-  _globals['_STREAMREQUEST']._serialized_start=555
-  _globals['_STREAMREQUEST']._serialized_end=670
-  _globals['_REQUESTERROR']._serialized_start=672
-  _globals['_REQUESTERROR']._serialized_end=798
-  _globals['_REQUESTEVENT']._serialized_start=801
-  _globals['_REQUESTEVENT']._serialized_end=932
-  _globals['_STREAMRESPONSE']._serialized_start=934
-  _globals['_STREAMRESPONSE']._serialized_end=994
-  _globals['_ABORTREQUEST']._serialized_start=996
-  _globals['_ABORTREQUEST']._serialized_end=1030
-  _globals['_ABORTRESPONSE']._serialized_start=1032
-  _globals['_ABORTRESPONSE']._serialized_end=1062
-  _globals['_GETSTATSREQUEST']._serialized_start=1064
-  _globals['_GETSTATSREQUEST']._serialized_end=1081
-  _globals['_WORKERPOOLSTATS']._serialized_start=1084
-  _globals['_WORKERPOOLSTATS']._serialized_end=1463
-  _globals['_SCHEDULERSTATS']._serialized_start=1466
-  _globals['_SCHEDULERSTATS']._serialized_end=1964
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1966
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1987
-  _globals['_MODELINFO']._serialized_start=1990
-  _globals['_MODELINFO']._serialized_end=2156
-  _globals['_SCHEDULER']._serialized_start=2286
-  _globals['_SCHEDULER']._serialized_end=2727
+  _globals['_SUBMITREQUEST']._serialized_end=306
+  _globals['_TOKENEVENT']._serialized_start=309
+  _globals['_TOKENEVENT']._serialized_end=574
+  _globals['_STREAMREQUEST']._serialized_start=576
+  _globals['_STREAMREQUEST']._serialized_end=691
+  _globals['_REQUESTERROR']._serialized_start=693
+  _globals['_REQUESTERROR']._serialized_end=819
+  _globals['_REQUESTEVENT']._serialized_start=822
+  _globals['_REQUESTEVENT']._serialized_end=953
+  _globals['_STREAMRESPONSE']._serialized_start=955
+  _globals['_STREAMRESPONSE']._serialized_end=1015
+  _globals['_ABORTREQUEST']._serialized_start=1017
+  _globals['_ABORTREQUEST']._serialized_end=1051
+  _globals['_ABORTRESPONSE']._serialized_start=1053
+  _globals['_ABORTRESPONSE']._serialized_end=1083
+  _globals['_GETSTATSREQUEST']._serialized_start=1085
+  _globals['_GETSTATSREQUEST']._serialized_end=1102
+  _globals['_WORKERPOOLSTATS']._serialized_start=1105
+  _globals['_WORKERPOOLSTATS']._serialized_end=1484
+  _globals['_SCHEDULERSTATS']._serialized_start=1487
+  _globals['_SCHEDULERSTATS']._serialized_end=1985
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1987
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2008
+  _globals['_MODELINFO']._serialized_start=2011
+  _globals['_MODELINFO']._serialized_end=2177
+  _globals['_SCHEDULER']._serialized_start=2307
+  _globals['_SCHEDULER']._serialized_end=2748
 # @@protoc_insertion_point(module_scope)

@@ -66,6 +66,7 @@ class SubmitRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     TIMEOUT_SECONDS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Unique id, chosen by the gateway."""
     timeout_seconds: _builtins.float
@@ -73,6 +74,13 @@ class SubmitRequest(_message.Message):
     so clocks need not agree). Unset: no deadline. The scheduler refuses a
     request whose time is already up and ends one that runs out with
     DEADLINE_EXCEEDED, freeing its KV blocks.
+    """
+    traceparent: _builtins.str
+    """W3C trace context of the caller's span (the gateway's "generate" span):
+    "00-<32 hex trace id>-<16 hex span id>-<2 hex flags>". The scheduler's
+    queue, prefill and decode spans are its children, every log line about
+    the request carries its trace id, and it goes on to the worker in
+    NewRequest.traceparent. Empty or invalid: the scheduler starts a trace.
     """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -96,10 +104,11 @@ class SubmitRequest(_message.Message):
         sampling: _sampling_pb2.SamplingParams | None = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
         timeout_seconds: _builtins.float | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds", "sampling", b"sampling", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds", "eos_token_ids", b"eos_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout_seconds", b"timeout_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds", "eos_token_ids", b"eos_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "timeout_seconds", b"timeout_seconds", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__timeout_seconds: _TypeAlias = _typing.Literal["timeout_seconds"]  # noqa: Y015
     _WhichOneofArgType__timeout_seconds: _TypeAlias = _typing.Literal["_timeout_seconds", b"_timeout_seconds"]  # noqa: Y015

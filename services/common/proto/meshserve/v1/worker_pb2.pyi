@@ -276,12 +276,18 @@ class NewRequest(_message.Message):
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
     EOS_TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    TRACEPARENT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id; keys the worker's persistent batch."""
     num_computed_tokens: _builtins.int
     """Tokens whose KV is already in the blocks (prefix-cache hits)."""
     num_scheduled_tokens: _builtins.int
     """Tokens to compute in this step."""
+    traceparent: _builtins.str
+    """W3C trace context of the request, as the scheduler received it
+    (SubmitRequest.traceparent): the worker's log lines about the request
+    carry its trace id. Empty: none.
+    """
     @_builtins.property
     def prompt_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Prompt token ids."""
@@ -319,10 +325,11 @@ class NewRequest(_message.Message):
         num_computed_tokens: _builtins.int = ...,
         num_scheduled_tokens: _builtins.int = ...,
         eos_token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        traceparent: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["sampling", b"sampling"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "eos_token_ids", b"eos_token_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "eos_token_ids", b"eos_token_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "output_token_ids", b"output_token_ids", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "sampling", b"sampling", "traceparent", b"traceparent"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
