@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common.handler_wrapping import RpcKind, rewrap
 from services.common.logs import REQUEST_ID_KEY
 from services.common.sampling_checks import InvalidField
 
@@ -106,14 +107,7 @@ def _wrap_handler(handler: grpc.RpcMethodHandler, request_id: str) -> grpc.RpcMe
 
         return wrapped
 
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary(handler.unary_unary), **kwargs)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(streaming(handler.unary_stream), **kwargs)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary(handler.stream_unary), **kwargs)
-    return grpc.stream_stream_rpc_method_handler(streaming(handler.stream_stream), **kwargs)
+    def wrap(behaviour: Callable[..., Any], kind: RpcKind) -> Callable[..., Any]:
+        return unary(behaviour) if kind in ("unary", "client_stream") else streaming(behaviour)
+
+    return rewrap(handler, wrap)

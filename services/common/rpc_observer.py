@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import structlog
 
+from services.common.handler_wrapping import Behaviour, RpcKind, rewrap
 from services.common.metrics.grpc_metrics import GrpcServerMetrics
 from services.common.metrics.names import status_code_label
 
@@ -88,21 +89,14 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         return self._wrap(handler, service, method)
 
     def _wrap(self, handler: grpc.RpcMethodHandler, service: str, method: str) -> grpc.RpcMethodHandler:
-        kwargs = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary is not None:
-            call = _Call(service, method, "unary")
-            return grpc.unary_unary_rpc_method_handler(self._unary(handler.unary_unary, call, False), **kwargs)
-        if handler.unary_stream is not None:
-            call = _Call(service, method, "server_stream")
-            return grpc.unary_stream_rpc_method_handler(self._streaming(handler.unary_stream, call, False), **kwargs)
-        if handler.stream_unary is not None:
-            call = _Call(service, method, "client_stream")
-            return grpc.stream_unary_rpc_method_handler(self._unary(handler.stream_unary, call, True), **kwargs)
-        call = _Call(service, method, "bidi_stream")
-        return grpc.stream_stream_rpc_method_handler(self._streaming(handler.stream_stream, call, True), **kwargs)
+        def wrap(behaviour: Behaviour, kind: RpcKind) -> Behaviour:
+            call = _Call(service, method, kind)
+            client_streams = kind in ("client_stream", "bidi_stream")
+            if kind in ("unary", "client_stream"):
+                return self._unary(behaviour, call, client_streams)
+            return self._streaming(behaviour, call, client_streams)
+
+        return rewrap(handler, wrap)
 
     def _unary(self, fn: Callable[..., Awaitable[Any]], call: _Call, client_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
