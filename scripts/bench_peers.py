@@ -223,7 +223,8 @@ def run_bench(server: Server, workload: Workload, seed: int, model: Path, out: P
     ]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     data: dict[str, Any] = json.loads(out.read_text())
-    return data
+    # The round's figures; the per-request records stay out of the committed JSON.
+    return {k: v for k, v in data.items() if not isinstance(v, (list, dict))}
 
 
 KEYS = ("output_throughput", "mean_ttft_ms", "p99_ttft_ms", "mean_tpot_ms")
