@@ -70,6 +70,11 @@ class Call:
     trace: TraceContext | None = None
 
 
+def _client_id(call: Call) -> dict[str, str]:
+    """The client's own request id as a log field, when it sent one."""
+    return {"client_request_id": call.ids.client} if call.ids.client else {}
+
+
 def invalid(err: ValidationError) -> StatusError:
     """INVALID_ARGUMENT naming the field."""
     return StatusError(invalid_argument_status(err.field, err.description))
@@ -197,7 +202,7 @@ class GenerationPipeline:
                 self._failed("request refused", call, span, err)
                 raise
             try:
-                client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
+                client_id = _client_id(call)
                 with bound_request_id(call.ids.internal, trace_id=span.trace_id, **client_id):
                     # Closed here, inside the binding, so that its last lines (a cancel) carry the ids too.
                     async with contextlib.aclosing(self._run(request, call, caller, span)) as responses:
@@ -222,7 +227,7 @@ class GenerationPipeline:
         code = err.status.code
         self.metrics.errored(code)
         # Outside the request's contextvars binding (a refusal comes before it): every id named here.
-        client_id = {"client_request_id": call.ids.client} if call.ids.client else {}
+        client_id = _client_id(call)
         log.info(
             event,
             request_id=call.ids.internal,

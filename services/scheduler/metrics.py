@@ -18,6 +18,11 @@ from services.common.metrics.names import metric
 from services.scheduler.request import Request
 
 
+def _phase(registry: CollectorRegistry, name: str, documentation: str) -> Histogram:
+    """A request phase's histogram, with vLLM's request-latency buckets."""
+    return Histogram(metric(name), documentation, buckets=buckets.REQUEST_LATENCY, registry=registry)
+
+
 class SchedulerMetrics:
     """All scheduler metrics, created once per process."""
 
@@ -57,29 +62,17 @@ class SchedulerMetrics:
             buckets=buckets.ITERATION_TOKENS,
             registry=registry,
         )
-        self.request_queue_time = Histogram(
-            metric("request_queue_time_seconds"),
-            "Arrival at the scheduler to first scheduled (the WAITING phase)",
-            buckets=buckets.REQUEST_LATENCY,
-            registry=registry,
+        self.request_queue_time = _phase(
+            registry, "request_queue_time_seconds", "Arrival at the scheduler to first scheduled (the WAITING phase)"
         )
-        self.request_prefill_time = Histogram(
-            metric("request_prefill_time_seconds"),
-            "First scheduled to first token (the PREFILL phase)",
-            buckets=buckets.REQUEST_LATENCY,
-            registry=registry,
+        self.request_prefill_time = _phase(
+            registry, "request_prefill_time_seconds", "First scheduled to first token (the PREFILL phase)"
         )
-        self.request_decode_time = Histogram(
-            metric("request_decode_time_seconds"),
-            "First token to finish (the DECODE phase)",
-            buckets=buckets.REQUEST_LATENCY,
-            registry=registry,
+        self.request_decode_time = _phase(
+            registry, "request_decode_time_seconds", "First token to finish (the DECODE phase)"
         )
-        self.request_inference_time = Histogram(
-            metric("request_inference_time_seconds"),
-            "First scheduled to finish (the RUNNING phase)",
-            buckets=buckets.REQUEST_LATENCY,
-            registry=registry,
+        self.request_inference_time = _phase(
+            registry, "request_inference_time_seconds", "First scheduled to finish (the RUNNING phase)"
         )
         self.routed = Counter(
             metric("worker_requests_routed"), "Requests the router placed on a worker", ["worker"], registry=registry
