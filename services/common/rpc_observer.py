@@ -100,7 +100,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
 
     def _unary(self, fn: Callable[..., Awaitable[Any]], call: _Call, client_streams: bool) -> Callable[..., Any]:
         async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> Any:
-            record, started = self._start(call)
+            record, started, peer = self._start(call, context)
             code = "OK"
             try:
                 if client_streams:
@@ -115,7 +115,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
                 code = _code_of(err, context)
                 raise
             finally:
-                self._finish(call, record, started, code, context)
+                self._finish(call, record, started, code, peer)
 
         return wrapped
 
@@ -124,24 +124,39 @@ class RpcObserver(grpc.aio.ServerInterceptor):
             # A streaming handler that awaits context.write() and returns: sent messages go uncounted.
             return self._unary(fn, call, client_streams)
 
-        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            record, started = self._start(call)
+        # The generator's responses are written here, by a coroutine, rather than re-yielded: grpc
+        # never closes a response generator whose client cancelled while a write was pending, so a
+        # wrapper generator (and the handler's own `finally`, which releases its requests) would run
+        # only when the garbage collector finalises it, after grpc let go of the call; touching the
+        # context then read freed memory (a cygrpc segfault). A coroutine takes the cancellation in
+        # its own task, while the call is live, and closes the handler's generator at once.
+        async def wrapped(request: Any, context: grpc.aio.ServicerContext) -> None:
+            record, started, peer = self._start(call, context)
             code = "OK"
             sent = self.metrics.msg_sent.labels(*call.labels)
+            if client_streams:
+                request = self._count_received(request, call)
+            else:
+                self.metrics.msg_received.labels(*call.labels).inc()
+            responses = fn(request, context)
             try:
-                if client_streams:
-                    request = self._count_received(request, call)
-                else:
-                    self.metrics.msg_received.labels(*call.labels).inc()
-                async for item in fn(request, context):
-                    sent.inc()
-                    yield item
+                try:
+                    async for item in responses:
+                        try:
+                            await context.write(item)
+                        except grpc.aio.InternalError as err:
+                            # The write failed in grpc's core: the client went away mid-write. That
+                            # is a cancellation, not a handler fault for grpc to log as an error.
+                            raise asyncio.CancelledError("the client left during a write") from err
+                        sent.inc()
+                finally:
+                    await responses.aclose()
                 code = _final_code(context)
             except BaseException as err:
                 code = _code_of(err, context)
                 raise
             finally:
-                self._finish(call, record, started, code, context)
+                self._finish(call, record, started, code, peer)
 
         return wrapped
 
@@ -151,13 +166,13 @@ class RpcObserver(grpc.aio.ServerInterceptor):
             received.inc()
             yield item
 
-    def _start(self, call: _Call) -> tuple[CallRecord, float]:
+    def _start(self, call: _Call, context: grpc.aio.ServicerContext) -> tuple[CallRecord, float, str]:
         self.metrics.started.labels(*call.labels).inc()
-        return start_call_record(), time.monotonic()
+        # The peer is read now, while the call is live: once a client cancels, grpc's core frees the
+        # call and context.peer() reads freed memory (a segfault in cygrpc, seen under load).
+        return start_call_record(), time.monotonic(), context.peer()
 
-    def _finish(
-        self, call: _Call, record: CallRecord, started: float, code: str, context: grpc.aio.ServicerContext
-    ) -> None:
+    def _finish(self, call: _Call, record: CallRecord, started: float, code: str, peer: str) -> None:
         elapsed = time.monotonic() - started
         label = status_code_label(code)
         self.metrics.handled.labels(*call.labels, label).inc()
@@ -166,7 +181,7 @@ class RpcObserver(grpc.aio.ServerInterceptor):
         emit(
             "rpc",
             grpc_method=f"{call.service}/{call.method}",
-            peer=context.peer(),
+            peer=peer,
             grpc_code=label,
             duration_ms=round(elapsed * 1000, 3),
             **record.fields,
