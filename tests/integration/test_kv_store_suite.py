@@ -133,13 +133,17 @@ def test_tp1_blocks_load_into_a_tp2_worker(tiny_model_dir: Path, tmp_path: Path)
     assert loaded["worker-0"] == ((len(other) - 1) // BLOCK) * BLOCK
 
 
+# Long enough that every request still runs when worker-1 dies (after ~20 saved blocks, ~6 of output).
+RESUME_TOKENS = 250
+
+
 def test_killed_worker_requests_resume_from_stored_blocks(tiny_model_dir: Path, tmp_path: Path) -> None:
     prompts = _prompts(8, seed=6, lo=40, hi=80)
     # The undisturbed run on a suite of its own, without a store: worker-0 below must not hold these
     # sequences in its prefix cache, or the requeued requests would resume from it rather than the store.
     reference = start_suite(tiny_model_dir, tmp_path / "reference", worker_args=KV)
     try:
-        undisturbed = asyncio.run(greedy_token_answers(reference.address, prompts, max_tokens=400))
+        undisturbed = asyncio.run(greedy_token_answers(reference.address, prompts, max_tokens=RESUME_TOKENS))
     finally:
         reference.stop()
     suite = start_suite(
@@ -153,7 +157,7 @@ def test_killed_worker_requests_resume_from_stored_blocks(tiny_model_dir: Path, 
     try:
 
         async def run() -> list[Answer]:
-            task = asyncio.ensure_future(greedy_token_answers(suite.address, prompts, max_tokens=400))
+            task = asyncio.ensure_future(greedy_token_answers(suite.address, prompts, max_tokens=RESUME_TOKENS))
             # Strike once worker-1 has saved its prompts' blocks and a few blocks of output.
             while sum(w.kv_store_saves for w in (await suite.stats()).workers if w.worker_id == "worker-1") < 20:
                 await asyncio.sleep(0.01)

@@ -223,6 +223,8 @@ async def test_a_refused_request_is_logged_with_its_ids(traced: TracedSuite) -> 
     ids = {"request_id": failed["request_id"], "trace_id": trace_id}
     (refused,) = _lines(suite, "scheduler", event="refused", **ids)
     assert refused["code"] == "INVALID_ARGUMENT" and "max_tokens" in str(refused["why"])
+    # Written when the call's status has gone out, a moment after the failure line.
+    await _poll("the gateway's access line", lambda: bool(_lines(suite, "gateway", event="rpc", **ids)))
     (access,) = _lines(suite, "gateway", event="rpc", **ids)
     assert access["grpc_code"] == "InvalidArgument"  # the access line's spelling (the metrics' code label)
     # Its span says so.
