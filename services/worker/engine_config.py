@@ -13,6 +13,8 @@ from services.worker.settings import DEFAULT_KV_SAVE_QUEUE_BLOCKS
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # --cpu-kernels values: native kernels where they build (auto), native or fail, or the pure-torch reference.
 CPU_KERNELS = ("auto", "native", "reference")
+# --quantization values: weight-only int8 (layers/quantization.py); unset keeps the weights' dtype.
+QUANTIZATIONS = ("int8",)
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -39,6 +41,8 @@ class EngineConfig:
     seed: int = 0
     # CPU op table: auto (native kernels where they build), native, or reference (pure torch).
     cpu_kernels: str = "auto"
+    # Weight-only quantisation of the linears and LM head (None: none).
+    quantization: str | None = None
     # host:port of the kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
     kv_store_address: str | None = None
     kv_save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
@@ -59,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"--device must be one of {list(DEVICES)}, got {self.device!r}")
         if self.cpu_kernels not in CPU_KERNELS:
             raise ValueError(f"--cpu-kernels must be one of {list(CPU_KERNELS)}, got {self.cpu_kernels!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(
+                f"--quantization must be one of {list(QUANTIZATIONS)} (or unset), got {self.quantization!r}"
+            )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:

@@ -24,7 +24,7 @@ from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
-from services.worker.layers.linear import pack_linears
+from services.worker.layers.linear import pack_linears, quantize_matmuls, release_quantized_weights
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.platforms import Platform, get_platform
@@ -172,7 +172,8 @@ class ModelRunner:
         return self.batch.num_blocks_held
 
     def _weights_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for p in self.model.parameters())
+        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        return plain + sum(m.int8.weight.nbytes for m in self.model.matmul_modules() if m.int8 is not None)
 
     def _rank_memory(self) -> list[RankMemory]:
         weights = self._weights_bytes()
@@ -251,18 +252,30 @@ class ModelRunner:
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
+        if self.config.quantization == "int8":
+            # Before packing, which may drop the plain weights the int8 copies are made from.
+            max_rows = self.platform.int8_max_rows
+            if max_rows < 1:
+                raise StartupError(
+                    f"--quantization int8 has no int8 kernel on {self.platform.name} here (it runs on the CPU "
+                    "with the native kernels: leave --cpu-kernels at auto or native); drop --quantization"
+                )
+            quantize_matmuls(model.matmul_modules(), self.platform.ops.int8_linear, max_rows)
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
             batch_hint = min(self.config.max_num_seqs, 64)
             pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
+        release_quantized_weights(model.matmul_modules())
         return model.eval()
 
     @property
     def matmul_weights(self) -> str:
-        """How the linears hold their matmul weights: "plain", or packed for oneDNN ("onednn-<dtype>")."""
+        """How the linears hold their matmul weights: "plain", or packed for oneDNN ("onednn-<dtype>"), after
+        "int8+" when small steps run on int8 copies."""
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
-        return "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
+        layout = "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
+        return layout if self.config.quantization is None else f"{self.config.quantization}+{layout}"
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
         """Profile the largest step, then turn the memory budget into a block count all ranks share."""

@@ -58,6 +58,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         max_num_seqs=settings.max_num_seqs,
         seed=settings.seed,
         cpu_kernels=settings.cpu_kernels,
+        quantization=settings.quantization,
         kv_store_address=settings.kv_store,
         kv_save_queue_blocks=settings.kv_save_queue_blocks,
         kv_store_security=load_security(settings),

@@ -1,6 +1,8 @@
-"""How far a --precision drifts from fp32: relative logit error on fixed prompts and greedy agreement.
+"""How far a --precision (and --quantization) drifts from fp32: relative logit error on fixed prompts and
+greedy agreement.
 
     python -m services.worker.benchmarks.precision_check --precision bf16-fp16-fp32
+    python -m services.worker.benchmarks.precision_check --precision bf16-bf16-fp32 --quantization int8
 
 For each prompt, fp32 decodes greedily; the tested precision then decodes the same prompt twice: once
 teacher-forced on fp32's tokens (so logits compare position by position) and once freely (so whole
@@ -17,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from services.worker.engine_config import EngineConfig
+from services.worker.engine_config import QUANTIZATIONS, EngineConfig
 from services.worker.model_runner import ModelRunner
 
 # Chat prompts of different kinds; fixed so results compare across runs and machines.
@@ -46,6 +48,8 @@ class PrecisionReport:
     """Mean relative logit error (||l - l_fp32|| / ||l_fp32|| per position) and greedy agreement."""
 
     precision: str
+    # The tested runner's weight-only quantisation (None: none); fp32 is never quantised.
+    quantization: str | None
     prompts: int
     new_tokens: int
     mean_relative_logit_error: float
@@ -55,10 +59,11 @@ class PrecisionReport:
     greedy_common_prefix: list[int]
 
 
-def _runner(model_dir: Path, precision: str, max_len: int) -> ModelRunner:
+def _runner(model_dir: Path, precision: str, max_len: int, quantization: str | None = None) -> ModelRunner:
     config = EngineConfig(
         model_path=str(model_dir),
         precision=precision,
+        quantization=quantization,
         device="cpu",
         kv_cache_memory_bytes=256 << 20,
         max_model_len=max_len,
@@ -86,13 +91,15 @@ def decode(
     return tokens[len(prompt) :], torch.stack(rows)
 
 
-def compare(model_dir: Path, precision: str, prompts: list[list[int]], new_tokens: int) -> PrecisionReport:
-    """Run fp32 and `precision` on every prompt and compare."""
+def compare(
+    model_dir: Path, precision: str, prompts: list[list[int]], new_tokens: int, quantization: str | None = None
+) -> PrecisionReport:
+    """Run fp32 and `precision` (quantised with `quantization`) on every prompt and compare."""
     max_len = max(len(p) for p in prompts) + new_tokens
     reference = _runner(model_dir, "fp32-fp32-fp32", max_len)
     expected = [decode(reference, p, new_tokens) for p in prompts]
     reference.close()
-    tested = _runner(model_dir, precision, max_len)
+    tested = _runner(model_dir, precision, max_len, quantization)
     errors: list[torch.Tensor] = []
     matches, prefixes = 0, []
     for prompt, (ref_tokens, ref_logits) in zip(prompts, expected, strict=True):
@@ -104,6 +111,7 @@ def compare(model_dir: Path, precision: str, prompts: list[list[int]], new_token
     all_errors = torch.cat(errors)
     return PrecisionReport(
         precision=tested.precision.name,
+        quantization=quantization,
         prompts=len(prompts),
         new_tokens=new_tokens,
         mean_relative_logit_error=float(all_errors.mean()),
@@ -125,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     """CLI: print the report as JSON (and write it with --out)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", default="bf16-fp16-fp32")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantisation")
     parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded SmolLM2)")
     parser.add_argument("--prompts", type=int, default=len(QUESTIONS), help=f"at most {len(QUESTIONS)}")
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -134,7 +143,9 @@ def main(argv: list[str] | None = None) -> int:
         from services.worker.model_fetch import ensure_embedded_model
 
         args.model = ensure_embedded_model()
-    report = compare(args.model, args.precision, chat_prompts(args.model, args.prompts), args.new_tokens)
+    report = compare(
+        args.model, args.precision, chat_prompts(args.model, args.prompts), args.new_tokens, args.quantization
+    )
     text = json.dumps(asdict(report), indent=2)
     print(text)
     if args.out is not None:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TPGroup
+from services.worker.layers.quantization import Int8LinearOp, Int8Matmul, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ def _matmul(
     bias: torch.Tensor | None,
     compute_dtype: torch.dtype,
     packed: torch.Tensor | None,
+    int8: Int8Matmul | None = None,
 ) -> torch.Tensor:
     """x W^T + b in the compute dtype, through the oneDNN-packed weight when pack_linears made one.
 
@@ -47,7 +49,16 @@ def _matmul(
     rounds the fp32-accumulated result once, as a half-precision GEMM does. Inside the platform's one-row
     scope (oneDNN off) such a layer uses its plain half-precision weight instead: ATen's GEMV reads half
     the bytes, 1.5-2x faster for one row (docs/benchmarks.md).
+
+    A quantised layer (int8 set) runs steps of up to int8.max_rows rows on its int8 weight; larger ones
+    take the packed weight, else the int8 one dequantised (its plain weight is gone).
     """
+    if int8 is not None:
+        if int8.applies(x.shape[0]):
+            out = int8.op(_cast(x, compute_dtype), int8.weight)
+            return out if bias is None else out + _cast(bias, compute_dtype)
+        if packed is None and weight.numel() == 0:
+            weight = int8.weight.dequantize(compute_dtype)
     if packed is not None and (packed.dtype == compute_dtype or torch._C._get_mkldnn_enabled()):
         bias = None if bias is None else _cast(_cast(bias, compute_dtype), packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(_cast(x, packed.dtype), packed, bias, "none", [], "")
@@ -74,9 +85,11 @@ class ColumnParallelLinear(nn.Module):
         self.compute_dtype = compute_dtype
         # The weight in oneDNN's blocked layout, once pack_linears has run (CPU only).
         self.packed: torch.Tensor | None = None
+        # The weight as int8 rows and scales, once quantize_matmuls has run (--quantization int8).
+        self.int8: Int8Matmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed)
+        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed, self.int8)
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's rows of checkpoint part `part` (a whole q_proj, gate_proj, ...)."""
@@ -104,9 +117,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
         self.packed: torch.Tensor | None = None
+        self.int8: Int8Matmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed))
+        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed, self.int8))
         # After the reduce, so the bias is added once rather than once per rank.
         return y if self.bias is None else y + _cast(self.bias, self.compute_dtype)
 
@@ -136,8 +150,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
-        # The LM-head matmul's copy of the weight in oneDNN's layout; the lookup keeps the plain one.
+        # The LM-head matmul's copies of the weight (oneDNN's layout, int8); the lookup keeps the plain one.
         self.packed: torch.Tensor | None = None
+        self.int8: Int8Matmul | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -149,7 +164,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         """Float32 logits [N, vocab]: each rank's vocab slice, gathered in rank order."""
-        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed).float()
+        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed, self.int8).float()
         return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
@@ -174,8 +189,27 @@ def pack_linears(
     only the matmul read; one packed in fp32 keeps it for one-row matmuls, and an embedding for the lookup.
     """
     for module in modules:
+        # A quantised layer packs its int8 weight dequantised: every step size computes the same model.
+        source = module.weight if module.int8 is None else module.int8.weight.dequantize(compute_dtype)
         module.packed = torch.ops.mkldnn._reorder_linear_weight(
-            _cast(_cast(module.weight, compute_dtype), pack_dtype), batch_hint
+            _cast(_cast(source, compute_dtype), pack_dtype), batch_hint
         )
         if pack_dtype == compute_dtype and not isinstance(module, VocabParallelEmbedding):
+            module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
+
+
+def quantize_matmuls(modules: Iterable[MatmulModule], op: Int8LinearOp, max_rows: int) -> None:
+    """Give each linear (and the LM head) an int8 copy of its weight, run by op for steps of up to
+    max_rows rows. Run before pack_linears, which may drop the plain weight it packs."""
+    if max_rows < 1:
+        raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
+    for module in modules:
+        module.int8 = Int8Matmul(quantize_int8(module.weight), op, max_rows)
+
+
+def release_quantized_weights(modules: Iterable[MatmulModule]) -> None:
+    """Drop the plain weight of quantised linears (after pack_linears): nothing reads it any more. The
+    embedding keeps its own, which the token lookup reads."""
+    for module in modules:
+        if module.int8 is not None and not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.layers.quantization import Int8Weight, int8_linear_reference
 from services.worker.startup_error import StartupError
 
 
@@ -77,6 +78,10 @@ class Ops(abc.ABC):
         are int64 CPU tensors; a sequence's queries are its last tokens in the cache.
         """
 
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+        """x [rows, in] times the int8 weight [out, in] dequantised, transposed: [rows, out] in x's dtype."""
+        return int8_linear_reference(x, weight)
+
 
 class Platform(abc.ABC):
     """One device type, bound to one local device index: where tensors live, how ranks talk, which kernels run."""
@@ -132,6 +137,12 @@ class Platform(abc.ABC):
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         """The dtype linear weights are reordered into once for oneDNN (layers.linear.pack_linears), or None."""
         return None
+
+    @property
+    def int8_max_rows(self) -> int:
+        """Rows up to which --quantization int8 runs a linear on its int8 weight; 0: the platform has no
+        int8 kernel worth running, so the flag is refused at startup rather than quietly slower."""
+        return 0
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:
         """Scope for matmuls whose input has num_rows rows, where the platform picks kernels by shape."""

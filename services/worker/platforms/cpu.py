@@ -17,6 +17,8 @@ from services.worker.platforms.cpu_native_ops import NativeCpuOps
 from services.worker.platforms.reference_ops import ReferenceOps
 
 log = structlog.get_logger()
+# Rows up to which the native int8 kernel beats oneDNN's packed GEMM here (measured: docs/benchmarks.md).
+INT8_MAX_ROWS = 8
 
 
 def cpu_ops(kernels: str = "auto") -> Ops:
@@ -68,6 +70,13 @@ class CpuPlatform(Platform):
     @property
     def ops(self) -> Ops:
         return self._ops
+
+    @property
+    def int8_max_rows(self) -> int:
+        # The native kernel reads each int8 weight once per step and beats the fp32/bf16 GEMMs while a
+        # step is bound by weight bytes; past INT8_MAX_ROWS rows oneDNN's packed GEMM wins
+        # (docs/benchmarks.md). The reference ops would dequantise every call: no faster than bf16.
+        return INT8_MAX_ROWS if isinstance(self._ops, NativeCpuOps) else 0
 
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively

@@ -7,6 +7,7 @@ import functools
 import torch
 
 from services.worker.layers import attention
+from services.worker.layers.quantization import Int8Weight
 from services.worker.platforms.reference_ops import ReferenceOps
 
 
@@ -39,6 +40,10 @@ class NativeCpuOps(ReferenceOps):
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.meshserve_cpu.silu_and_mul(gate_up)
+
+    def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+        """Each int8 weight vector widened once in registers and used for every row (kernels/cpu_ops.cpp)."""
+        return torch.ops.meshserve_cpu.int8_linear(x, weight.qweight, weight.scales)
 
     def reshape_and_cache(
         self,

@@ -57,6 +57,8 @@ def test_engine_flags_reach_every_service_that_uses_them() -> None:
         "32",
         "--seed",
         "7",
+        "-q",
+        "int8",
         "--served-model-name",
         "smol",
         "alias",
@@ -76,6 +78,7 @@ def test_engine_flags_reach_every_service_that_uses_them() -> None:
         (worker, "--tensor-parallel-size", "2"),
         (worker, "--block-size", "32"),
         (worker, "--seed", "7"),
+        (worker, "--quantization", "int8"),
     ):
         assert flags[flags.index(flag) + 1] == value, (flag, flags)
     assert gateway[gateway.index("--served-model-name") + 1 :][:2] == ["smol", "alias"]

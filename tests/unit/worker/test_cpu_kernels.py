@@ -21,6 +21,7 @@ from services.worker.layers.attention import (
     head_major,
     reshape_and_cache,
 )
+from services.worker.layers.quantization import int8_linear_reference, quantize_int8
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
 from services.worker.platforms.cpu_native_ops import NativeCpuOps
@@ -137,6 +138,21 @@ def test_unsupported_head_shapes_take_the_reference_path(native: NativeCpuOps) -
         torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, seq_lens, 0.125)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+# Row counts around the kernel's block of 4 rows; one scale per row, or per 64 columns (widths of several
+# groups, of one, and ones 64 does not divide: one scale per row, with a vector tail).
+@pytest.mark.parametrize(("rows", "in_features"), [(1, 576), (3, 576), (4, 100), (9, 1536), (33, 64), (2, 136)])
+@pytest.mark.parametrize("group_size", [None, 64])
+def test_int8_linear_matches_the_dequantised_reference(
+    native: NativeCpuOps, dtype: torch.dtype, rows: int, in_features: int, group_size: int | None
+) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize_int8(torch.randn(70, in_features, generator=g) * 0.05, group_size=group_size)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    # Both sum in float32 and round once; only the order of the sums differs.
+    _ulp_close(native.int8_linear(x, weight), int8_linear_reference(x, weight))
+
+
 def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
     q, k_cache, v_cache, tables, seq_lens = _paged_batch([5, 20], 4, 2, 64, HND, torch.float32)
     attend = torch.ops.meshserve_cpu.paged_decode_attention
@@ -152,6 +168,15 @@ def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
         )
     with pytest.raises(RuntimeError, match="weight must be"):
         torch.ops.meshserve_cpu.rms_norm(torch.ones(2, 4), torch.ones(5), 1e-6)
+    int8 = torch.ops.meshserve_cpu.int8_linear
+    with pytest.raises(RuntimeError, match="qweight must be int8"):
+        int8(torch.ones(2, 4), torch.ones(3, 4), torch.ones(3))
+    with pytest.raises(RuntimeError, match="x has 5 features, qweight 4"):
+        int8(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.int8), torch.ones(3))
+    with pytest.raises(RuntimeError, match="scales must be float32"):
+        int8(torch.ones(2, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(3, 1, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="3 scale groups do not divide 4 in_features"):
+        int8(torch.ones(2, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(3, 3))
 
 
 def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: NativeCpuOps) -> None:
