@@ -260,6 +260,9 @@ def main() -> None:
     parser.add_argument("--vllm-arg", action="append", default=[], help="extra flag for vLLM's server")
     parser.add_argument("--llama-arg", action="append", default=[], help="extra flag for llama-server")
     parser.add_argument("--quick", action="store_true", help="small runs, one round: to check the script")
+    parser.add_argument(
+        "--out", type=Path, default=OUT, help=f"where the record goes (default {OUT.relative_to(ROOT)})"
+    )
     args = parser.parse_args()
     if args.quick:
         args.rounds = 1
@@ -308,7 +311,7 @@ def main() -> None:
         "runs": results,
     }
     if not args.quick:
-        OUT.write_text(json.dumps(record, indent=2) + "\n")
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
     for workload in chosen:
         print(f"\n### {workload.name} ({workload.num_prompts} requests, concurrency {workload.concurrency})\n")
         print("| server | output tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms |")
