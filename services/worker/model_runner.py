@@ -266,7 +266,7 @@ class ModelRunner:
             # Packed for the decode batch, the steps that run most often.
             batch_hint = min(self.config.max_num_seqs, 64)
             pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
-        release_quantized_weights(model.matmul_modules())
+        release_quantized_weights(model.matmul_modules(), self.precision.compute)
         return model.eval()
 
     @property

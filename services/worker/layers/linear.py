@@ -7,7 +7,7 @@ own), row-parallel layers a slice of input columns with an all-reduce after the 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,14 +51,14 @@ def _matmul(
     the bytes, 1.5-2x faster for one row (docs/benchmarks.md).
 
     A quantised layer (int8 set) runs steps of up to int8.max_rows rows on its int8 weight; larger ones
-    take the packed weight, else the int8 one dequantised (its plain weight is gone).
+    take the packed weight, else the int8 one dequantised at load (int8.dense).
     """
     if int8 is not None:
         if int8.applies(x.shape[0]):
             out = int8.op(_cast(x, compute_dtype), int8.weight)
             return out if bias is None else out + _cast(bias, compute_dtype)
-        if packed is None and weight.numel() == 0:
-            weight = int8.weight.dequantize(compute_dtype)
+        if packed is None and int8.dense is not None:
+            weight = int8.dense
     if packed is not None and (packed.dtype == compute_dtype or torch._C._get_mkldnn_enabled()):
         bias = None if bias is None else _cast(_cast(bias, compute_dtype), packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(_cast(x, packed.dtype), packed, bias, "none", [], "")
@@ -207,9 +207,15 @@ def quantize_matmuls(modules: Iterable[MatmulModule], op: Int8LinearOp, max_rows
         module.int8 = Int8Matmul(quantize_int8(module.weight), op, max_rows)
 
 
-def release_quantized_weights(modules: Iterable[MatmulModule]) -> None:
-    """Drop the plain weight of quantised linears (after pack_linears): nothing reads it any more. The
-    embedding keeps its own, which the token lookup reads."""
+def release_quantized_weights(modules: Iterable[MatmulModule], compute_dtype: torch.dtype) -> None:
+    """After pack_linears: a quantised module without a packed copy gets its int8 weight dequantised
+    once into compute_dtype for the steps past max_rows (the LM head too, whose plain weight is the
+    unquantised one); then quantised linears drop their plain weight, which nothing reads any more.
+    The embedding keeps its own for the token lookup."""
     for module in modules:
-        if module.int8 is not None and not isinstance(module, VocabParallelEmbedding):
+        if module.int8 is None:
+            continue
+        if module.packed is None:
+            module.int8 = replace(module.int8, dense=module.int8.weight.dequantize(compute_dtype))
+        if not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

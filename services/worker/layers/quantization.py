@@ -8,7 +8,7 @@ groups of 16 to 2.8% (bf16 alone: 1.4%) while the one-row step got 1.4x slower (
 Decode is bound by the bytes of weights a step reads (docs/benchmarks.md): int8 reads a quarter of
 fp32's and half of bf16's. Steps with more rows than the platform's `int8_max_rows` are bound by
 arithmetic instead; they keep the platform's fastest GEMM, run on the int8 weight dequantised (packed
-once for oneDNN where the CPU packs, dequantised per call elsewhere), so every step size computes the
+once for oneDNN where the CPU packs, dequantised once at load where it does not), so every step size computes the
 same model and quantising never slows a prefill.
 """
 
@@ -66,12 +66,14 @@ def int8_linear_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Int8Matmul:
-    """What a quantised linear needs at run time: its int8 weight, the platform's kernel for it, and the
-    row count up to which that kernel beats the platform's GEMM."""
+    """What a quantised linear needs at run time: its int8 weight, the platform's kernel for it, the row
+    count up to which that kernel beats the platform's GEMM, and, where no packed copy takes the larger
+    steps, the weight dequantised once (at load, never per step)."""
 
     weight: Int8Weight
     op: Int8LinearOp
     max_rows: int
+    dense: torch.Tensor | None = None
 
     def applies(self, num_rows: int) -> bool:
         return num_rows <= self.max_rows

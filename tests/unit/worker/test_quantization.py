@@ -58,7 +58,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
     layer = _linear(weight)
     quantize_matmuls([layer], op, max_rows=4)
     pack_linears([layer], torch.bfloat16, torch.float32, 4)
-    release_quantized_weights([layer])
+    release_quantized_weights([layer], torch.bfloat16)
     assert layer.weight.numel() == 0  # only the int8 and the packed copies remain
     small, large = torch.randn(4, 32, generator=g).bfloat16(), torch.randn(9, 32, generator=g).bfloat16()
     torch.testing.assert_close(layer(small), int8_linear_reference(small, layer.int8.weight))  # type: ignore[union-attr]
@@ -73,7 +73,7 @@ def test_without_a_packed_copy_large_steps_dequantise() -> None:
     weight = torch.randn(16, 8).to(torch.bfloat16)
     layer = _linear(weight)
     quantize_matmuls([layer], int8_linear_reference, max_rows=1)
-    release_quantized_weights([layer])
+    release_quantized_weights([layer], torch.bfloat16)
     x = torch.randn(5, 8).bfloat16()
     expected = torch.nn.functional.linear(x, layer.int8.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
     torch.testing.assert_close(layer(x), expected)
