@@ -173,7 +173,11 @@ class ModelRunner:
 
     def _weights_bytes(self) -> int:
         plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        return plain + sum(m.int8.weight.nbytes for m in self.model.matmul_modules() if m.int8 is not None)
+        # The oneDNN-packed copies are not parameters, and where they are the only copy (packed in the
+        # compute dtype) the plain weights are empty: counted here, or a packed model reads as nearly free.
+        matmuls = self.model.matmul_modules()
+        packed = sum(m.packed.numel() * m.packed.element_size() for m in matmuls if m.packed is not None)
+        return plain + packed + sum(m.int8.weight.nbytes for m in matmuls if m.int8 is not None)
 
     def _rank_memory(self) -> list[RankMemory]:
         weights = self._weights_bytes()
@@ -254,7 +258,7 @@ class ModelRunner:
         model.load_weights(iter_weights(source))
         if self.config.quantization == "int8":
             # Before packing, which may drop the plain weights the int8 copies are made from.
-            max_rows = self.platform.int8_max_rows
+            max_rows = self.platform.int8_max_rows(self.precision.compute)
             if max_rows < 1:
                 raise StartupError(
                     f"--quantization int8 has no int8 kernel on {self.platform.name} here (it runs on the CPU "

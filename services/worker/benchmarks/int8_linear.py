@@ -3,9 +3,12 @@
     python -m services.worker.benchmarks.int8_linear [--rows 1 2 4 8 16 32 64]
 
 For each linear shape and row count: median microseconds of `meshserve_cpu::int8_linear`, of oneDNN on
-the fp32-packed weight (the bf16 path on hosts without native bf16) and of ATen's bf16 GEMM with oneDNN
-off (the one-row path), plus the host's copy bandwidth and what one step's weight bytes cost at it (the
-floor). The crossover row count is what the CPU platform's INT8_MAX_ROWS is set from.
+the fp32-packed weight (the bf16 path on hosts without native bf16), of oneDNN on the bf16-packed weight
+(the bf16 path where the CPU runs bf16 natively: AMX, avx512_bf16) and of ATen's bf16 GEMM with oneDNN
+off (the one-row path on the former), plus the host's copy bandwidth and what one step's weight bytes
+cost at it (the floor). Each shape is timed alone, so its weight may sit in the CPU's caches: where they
+are large, take the crossover from whole steps (`step_profile --wall-only`), which is what the CPU
+platform's INT8_MAX_ROWS and INT8_MAX_ROWS_NATIVE_HALF are set from.
 """
 
 from __future__ import annotations
@@ -51,7 +54,9 @@ def copy_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
-def _time_paths(weight: torch.Tensor, packed: torch.Tensor, rows: int, repeats: int) -> dict[str, float]:
+def _time_paths(
+    weight: torch.Tensor, packed: torch.Tensor, packed_bf16: torch.Tensor | None, rows: int, repeats: int
+) -> dict[str, float]:
     q = quantize_int8(weight)
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
     xf = x.float()
@@ -61,6 +66,10 @@ def _time_paths(weight: torch.Tensor, packed: torch.Tensor, rows: int, repeats: 
             lambda: torch.ops.mkldnn._linear_pointwise(xf, packed, None, "none", [], "").bfloat16(), repeats
         ),
     }
+    if packed_bf16 is not None:
+        times["onednn_bf16_us"] = _median_us(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed_bf16, None, "none", [], ""), repeats
+        )
     torch._C._set_mkldnn_enabled(False)
     try:
         times["aten_bf16_us"] = _median_us(lambda: torch.nn.functional.linear(x, weight), repeats)
@@ -76,8 +85,10 @@ def measure(rows: list[int], repeats: int) -> dict[str, object]:
     for name, out_features, in_features in SHAPES:
         weight = torch.randn(out_features, in_features, dtype=torch.bfloat16) * 0.02
         packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), 32)
+        native = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+        packed_bf16 = torch.ops.mkldnn._reorder_linear_weight(weight, 32) if native else None
         for n in rows:
-            results.append({"shape": name, "rows": n, **_time_paths(weight, packed, n, repeats)})
+            results.append({"shape": name, "rows": n, **_time_paths(weight, packed, packed_bf16, n, repeats)})
     bandwidth = copy_bandwidth_gbs()
     params = sum(o * i * (1 if name == "lm_head" else LAYERS) for name, o, i in SHAPES)
     return {
@@ -94,7 +105,7 @@ def step_totals(report: dict[str, object]) -> dict[int, dict[str, float]]:
     totals: dict[int, dict[str, float]] = {}
     for r in report["results"]:  # type: ignore[attr-defined]
         weight = 1 if r["shape"] == "lm_head" else LAYERS
-        row = totals.setdefault(r["rows"], {"int8": 0.0, "onednn_fp32": 0.0, "aten_bf16": 0.0})
+        row = totals.setdefault(r["rows"], {key[:-3]: 0.0 for key in r if key.endswith("_us")})
         for key in row:
             row[key] += r[f"{key}_us"] * weight / 1000
     return totals
@@ -107,11 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = measure(args.rows, args.repeats)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
-    print("\n| rows | int8 ms/step | oneDNN fp32 ms/step | ATen bf16 ms/step | int8 / best bf16 path |")
-    print("| ---: | ---: | ---: | ---: | ---: |")
-    for rows, t in sorted(step_totals(report).items()):
-        best = min(t["onednn_fp32"], t["aten_bf16"])
-        print(f"| {rows} | {t['int8']:.2f} | {t['onednn_fp32']:.2f} | {t['aten_bf16']:.2f} | {t['int8'] / best:.2f} |")
+    totals = step_totals(report)
+    paths = [p for p in ("onednn_fp32", "onednn_bf16", "aten_bf16") if p in next(iter(totals.values()), {})]
+    print("\n| rows | int8 ms/step | " + " | ".join(f"{p} ms/step" for p in paths) + " | int8 / best bf16 path |")
+    print("| ---: " * (len(paths) + 3) + "|")
+    for rows, t in sorted(totals.items()):
+        best = min(t[p] for p in paths)
+        cells = " | ".join(f"{t[p]:.2f}" for p in paths)
+        print(f"| {rows} | {t['int8']:.2f} | {cells} | {t['int8'] / best:.2f} |")
     return 0
 
 

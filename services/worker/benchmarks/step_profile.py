@@ -57,8 +57,11 @@ def _runner(model_dir: Path, dtype: str, batch: int, steps: int, quantization: s
     )
 
 
-def profile_batch(model_dir: Path, dtype: str, batch: int, steps: int, quantization: str | None) -> dict[str, float]:
-    """Milliseconds per decode step by kind, plus the step's wall time."""
+def profile_batch(
+    model_dir: Path, dtype: str, batch: int, steps: int, quantization: str | None, wall_only: bool = False
+) -> dict[str, float]:
+    """Milliseconds per decode step by kind, plus the step's wall time (alone, without the profiler's own
+    per-op cost, when wall_only)."""
     runner = _runner(model_dir, dtype, batch, steps, quantization)
     blocks_per = -(-(PROMPT_LEN + steps + 2) // BLOCK_SIZE)
     greedy = sampling_pb2.SamplingParams(temperature=0.0)
@@ -89,6 +92,13 @@ def profile_batch(model_dir: Path, dtype: str, batch: int, steps: int, quantizat
         computed += 1
 
     decode(2)  # warm
+    if wall_only:
+        started = time.perf_counter()
+        for s in range(steps):
+            decode(3 + s)
+        wall = (time.perf_counter() - started) / steps * 1000
+        runner.close()
+        return {"step_ms": wall}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         started = time.perf_counter()
         for s in range(steps):
@@ -109,13 +119,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument(
+        "--wall-only", action="store_true", help="time the steps without the profiler (which adds per-op cost)"
+    )
     args = parser.parse_args(argv)
     if args.model is None:
         from services.worker.model_fetch import ensure_embedded_model
 
         args.model = ensure_embedded_model()
     for batch in args.batch:
-        row = profile_batch(args.model, args.dtype, batch, args.steps, args.quantization)
+        row = profile_batch(args.model, args.dtype, batch, args.steps, args.quantization, args.wall_only)
         print(json.dumps({"batch": batch, "quantization": args.quantization, **row}))
     return 0
 

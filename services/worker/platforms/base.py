@@ -138,10 +138,10 @@ class Platform(abc.ABC):
         """The dtype linear weights are reordered into once for oneDNN (layers.linear.pack_linears), or None."""
         return None
 
-    @property
-    def int8_max_rows(self) -> int:
-        """Rows up to which --quantization int8 runs a linear on its int8 weight; 0: the platform has no
-        int8 kernel worth running, so the flag is refused at startup rather than quietly slower."""
+    def int8_max_rows(self, compute_dtype: torch.dtype) -> int:
+        """Rows up to which --quantization int8 runs a linear on its int8 weight, against the GEMM that
+        compute_dtype's matmuls run on; 0: the platform has no int8 kernel worth running, so the flag is
+        refused at startup rather than quietly slower."""
         return 0
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:

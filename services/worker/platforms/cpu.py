@@ -17,8 +17,12 @@ from services.worker.platforms.cpu_native_ops import NativeCpuOps
 from services.worker.platforms.reference_ops import ReferenceOps
 
 log = structlog.get_logger()
-# Rows up to which the native int8 kernel beats oneDNN's packed GEMM here (measured: docs/benchmarks.md).
+# Rows up to which the native int8 kernel beats the GEMM it replaces (measured: docs/benchmarks.md): oneDNN
+# on fp32 copies of the weights (hosts without native bf16/fp16 GEMMs, and fp32 compute), or oneDNN in the
+# half-precision dtype itself where the CPU runs that natively (AMX, avx512_bf16), which matches the int8
+# kernel from two rows up.
 INT8_MAX_ROWS = 8
+INT8_MAX_ROWS_NATIVE_HALF = 1
 
 
 def cpu_ops(kernels: str = "auto") -> Ops:
@@ -71,12 +75,14 @@ class CpuPlatform(Platform):
     def ops(self) -> Ops:
         return self._ops
 
-    @property
-    def int8_max_rows(self) -> int:
+    def int8_max_rows(self, compute_dtype: torch.dtype) -> int:
         # The native kernel reads each int8 weight once per step and beats the fp32/bf16 GEMMs while a
-        # step is bound by weight bytes; past INT8_MAX_ROWS rows oneDNN's packed GEMM wins
-        # (docs/benchmarks.md). The reference ops would dequantise every call: no faster than bf16.
-        return INT8_MAX_ROWS if isinstance(self._ops, NativeCpuOps) else 0
+        # step is bound by weight bytes; past the threshold oneDNN's packed GEMM wins (docs/benchmarks.md).
+        # The reference ops would dequantise every call: no faster than bf16.
+        if not isinstance(self._ops, NativeCpuOps):
+            return 0
+        native_half = compute_dtype != torch.float32 and self.matmul_pack_dtype(compute_dtype) == compute_dtype
+        return INT8_MAX_ROWS_NATIVE_HALF if native_half else INT8_MAX_ROWS
 
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively

@@ -109,7 +109,13 @@ def test_an_int8_runner_stays_close_to_its_bf16_twin(tiny_model_dir: Path) -> No
     plain = ModelRunner(_config(tiny_model_dir))
     quantized = ModelRunner(_config(tiny_model_dir, quantization="int8"))
     assert quantized.matmul_weights.startswith("int8+")
-    assert quantized.rank_memory[0].weights_bytes < plain.rank_memory[0].weights_bytes
+    plain_bytes, quantized_bytes = plain.rank_memory[0].weights_bytes, quantized.rank_memory[0].weights_bytes
+    if plain.matmul_weights == "onednn-bfloat16":
+        # oneDNN runs bf16 natively (AMX): the int8 copy (one-row steps) sits beside the packed bf16 one.
+        assert plain_bytes < quantized_bytes < 2 * plain_bytes
+    else:
+        # Packed in fp32 beside the bf16 weight for one-row steps (6 bytes a weight) vs int8 + fp32 (5).
+        assert quantized_bytes < plain_bytes
     prompt = list(range(3, 40))
     blocks = list(range(-(-len(prompt) // plain.block_size) + 1))
     # One prefill (past max_rows: the packed GEMM) then one-row decodes (the int8 kernel).
@@ -128,3 +134,17 @@ def test_an_int8_runner_stays_close_to_its_bf16_twin(tiny_model_dir: Path) -> No
         assert 0 < relative < 0.1, relative
     plain.close()
     quantized.close()
+
+
+def test_the_int8_threshold_follows_the_gemm_it_replaces() -> None:
+    from services.worker.platforms import cpu
+
+    native = cpu.CpuPlatform(kernels="native")
+    # fp32 matmuls run on MKL (or on fp32 copies in oneDNN): the int8 kernel wins up to INT8_MAX_ROWS rows.
+    assert native.int8_max_rows(torch.float32) == cpu.INT8_MAX_ROWS
+    # bf16 runs in oneDNN's own bf16 GEMM where the CPU has one (AMX, avx512_bf16), which matches the int8
+    # kernel from two rows up; elsewhere on fp32 copies, like fp32.
+    bf16_native = native.matmul_pack_dtype(torch.bfloat16) == torch.bfloat16
+    expected = cpu.INT8_MAX_ROWS_NATIVE_HALF if bf16_native else cpu.INT8_MAX_ROWS
+    assert native.int8_max_rows(torch.bfloat16) == expected
+    assert cpu.CpuPlatform(kernels="reference").int8_max_rows(torch.bfloat16) == 0
