@@ -69,6 +69,22 @@ def test_silu_and_mul_and_rotary_round_as_the_reference(native: NativeCpuOps, dt
         _ulp_close(got, want)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("head_dim", [64, 32, 20])
+def test_rotary_is_bit_identical_to_the_reference(native: NativeCpuOps, dtype: torch.dtype, head_dim: int) -> None:
+    # 64 and 32: the vector path (half the head dim a whole number of vectors); 20: the scalar loop. Half
+    # precision only: each product is rounded to the dtype, as torch rounds it; in fp32 the compiler may
+    # fuse a product and the sum into one FMA (within an ulp: the test above).
+    g = torch.Generator().manual_seed(2)
+    qkv = torch.randn(23, 15, head_dim, generator=g).to(dtype)
+    # q and k as strided slices of one fused tensor, as the attention layer passes them.
+    q, k = qkv[:, :12], qkv[:, 12:]
+    table = rotary.RotaryTable(1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim)), 4096)
+    cos, sin = table.lookup(torch.randint(0, 4096, (23,), generator=g))
+    for got, want in zip(native.apply_rotary(q, k, cos, sin), rotary.apply_rotary(q, k, cos, sin), strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
+
+
 def _paged_batch(
     lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layout: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
