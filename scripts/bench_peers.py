@@ -20,7 +20,8 @@ python, e.g.
     python scripts/bench_peers.py --vllm-python ... --llama-server /path/llama-server --gguf model.gguf
     python scripts/bench_peers.py --quick --servers meshserve     # smoke run
 
-Writes docs/benchmarks/peers.json and prints markdown tables. This is a script a person runs, not a test.
+Writes docs/benchmarks/peers.json, a plot of it (peers.png) and prints markdown tables. This is a script a
+person runs, not a test.
 """
 
 from __future__ import annotations
@@ -241,6 +242,36 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     return out
 
 
+def plot_summary(record: dict[str, Any], path: Path) -> None:
+    """Per workload: each server's median output tok/s and mean TTFT, with the rounds' min-max as error bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summary: dict[str, dict[str, dict[str, dict[str, float]]]] = record["summary"]
+    names = list(summary)
+    loads = [w for w in record["workloads"] if any(w in summary[n] for n in names)]
+    fig, axes = plt.subplots(2, len(loads), figsize=(4.2 * len(loads), 7), squeeze=False)
+    for col, load in enumerate(loads):
+        for row, (key, label) in enumerate((("output_throughput", "output tok/s"), ("mean_ttft_ms", "mean TTFT ms"))):
+            ax = axes[row][col]
+            shown = [n for n in names if load in summary[n]]
+            stats = [summary[n][load][key] for n in shown]
+            medians = [s["median"] for s in stats]
+            spread = [[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]]
+            ax.bar(range(len(shown)), medians, yerr=spread, capsize=3, color=[f"C{names.index(n)}" for n in shown])
+            ax.set_xticks(range(len(shown)), shown, rotation=30, ha="right", fontsize=8)
+            ax.set_ylabel(label)
+            spec = record["workloads"][load]
+            ax.set_title(f"{load}: {spec['num_prompts']} req, concurrency {spec['concurrency']}", fontsize=9)
+            ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"{record.get('cpu', '')}, {record.get('cores', '?')} cores, {record.get('dtype', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -262,9 +293,15 @@ def main() -> None:
     parser.add_argument("--llama-arg", action="append", default=[], help="extra flag for llama-server")
     parser.add_argument("--quick", action="store_true", help="small runs, one round: to check the script")
     parser.add_argument(
+        "--plot-from", type=Path, help="only redraw the plot (next to --out) from a record this script wrote"
+    )
+    parser.add_argument(
         "--out", type=Path, default=OUT, help=f"where the record goes (default {OUT.relative_to(ROOT)})"
     )
     args = parser.parse_args()
+    if args.plot_from is not None:
+        plot_summary(json.loads(args.plot_from.read_text()), args.out.with_suffix(".png"))
+        return
     if args.quick:
         args.rounds = 1
     model = embedded_model_dir()
@@ -316,6 +353,7 @@ def main() -> None:
     }
     if not args.quick:
         args.out.write_text(json.dumps(record, indent=2) + "\n")
+        plot_summary(record, args.out.with_suffix(".png"))
     for workload in chosen:
         print(f"\n### {workload.name} ({workload.num_prompts} requests, concurrency {workload.concurrency})\n")
         print("| server | output tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms |")
