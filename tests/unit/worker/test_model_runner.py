@@ -488,6 +488,9 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
             # matmuls. The tied-or-not LM head keeps it for lookups.
             dropped = pack_dtype == torch.bfloat16
             assert all((m.weight.numel() == 0) == dropped for m in modules[:-1])
+            # The reported weight bytes hold the packed copies too, so at least every matmul weight once.
+            packed_bytes = sum(m.packed.numel() * pack_dtype.itemsize for m in modules if m.packed is not None)
+            assert runner.rank_memory[0].weights_bytes >= packed_bytes > 0
         else:
             assert runner.matmul_weights == "plain"
             assert all(m.packed is None for m in modules)
