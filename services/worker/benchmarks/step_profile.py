@@ -91,19 +91,20 @@ def profile_batch(
             raise RuntimeError(result.error)
         computed += 1
 
-    decode(2)  # warm
-    if wall_only:
+    def timed_steps() -> float:
+        """Milliseconds per step over `steps` decode steps."""
         started = time.perf_counter()
         for s in range(steps):
             decode(3 + s)
-        wall = (time.perf_counter() - started) / steps * 1000
+        return (time.perf_counter() - started) / steps * 1000
+
+    decode(2)  # warm
+    if wall_only:
+        wall = timed_steps()
         runner.close()
         return {"step_ms": wall}
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        started = time.perf_counter()
-        for s in range(steps):
-            decode(3 + s)
-        wall = (time.perf_counter() - started) / steps * 1000
+        wall = timed_steps()
     runner.close()
     totals: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
