@@ -25,6 +25,15 @@ MAX_REPETITION_PENALTY = 10.0
 # holds the per-kind caps (64 KiB of schema, regex or EBNF; 256 choices of at most 1024 characters).
 MAX_GRAMMAR_MESSAGE_BYTES = 128 * 1024
 
+# Temperatures below this are treated as greedy (vLLM's threshold), avoiding overflow in logits / T.
+GREEDY_EPS = 1e-5
+
+
+def is_greedy(params: sampling_pb2.SamplingParams) -> bool:
+    """True when the request picks the argmax (temperature 0): the worker's sampler and the scheduler's
+    choice of what may be speculated read this one definition."""
+    return params.HasField("temperature") and params.temperature < GREEDY_EPS
+
 
 class InvalidField(ValueError):
     """A request field is wrong; `field` names it and the message says how to fix it."""

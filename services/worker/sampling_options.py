@@ -10,14 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from services.common.proto.meshserve.v1 import sampling_pb2
-
-# Temperatures below this are treated as greedy (vLLM's threshold), avoiding overflow in logits / T.
-GREEDY_EPS = 1e-5
-
-
-def is_greedy(params: sampling_pb2.SamplingParams) -> bool:
-    """True when the request picks the argmax (temperature 0)."""
-    return params.HasField("temperature") and params.temperature < GREEDY_EPS
+from services.common.sampling_checks import is_greedy
 
 
 @dataclass(frozen=True)
