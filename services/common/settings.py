@@ -8,11 +8,12 @@ a flag given on the command line wins over the environment.
 from __future__ import annotations
 
 import argparse
+import json
 import types
 import typing
 from typing import Any, Literal, TypeVar
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "MESHSERVE_"
@@ -87,6 +88,14 @@ def _unwrap_optional(annotation: Any) -> Any:
     return annotation
 
 
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object value; argparse reports the ValueError as an invalid value of that flag."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
 def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettings]) -> None:
     """Add one flag per settings field; unset flags stay absent so the environment can fill them."""
     for name, info in cls.model_fields.items():
@@ -101,6 +110,10 @@ def add_settings_arguments(parser: argparse.ArgumentParser, cls: type[BaseSettin
             kwargs["choices"] = list(typing.get_args(annotation))
         elif annotation in (int, float, str):
             kwargs["type"] = annotation
+        elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            # A structured setting is one JSON object (vLLM's --speculative-config); the model checks its keys.
+            kwargs["type"] = _json_object
+            kwargs["metavar"] = "JSON"
         elif typing.get_origin(annotation) is list:
             # `--api-key a --api-key b` and `--api-key a b` both give [a, b], as vLLM's list flags do.
             kwargs["action"] = "extend"

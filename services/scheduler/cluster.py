@@ -130,6 +130,7 @@ class Cluster:
             listener=WorkerMetrics(self.metrics, hello.worker_id),
             kv_store=self._kv_store_use(hello),
             long_prefill_token_threshold=s.long_prefill_token_threshold,
+            speculation=s.speculative_config,
         )
         self.workers[hello.worker_id] = worker
         self.model_name = self.model_name or hello.model_name

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.scheduler.request import Request
 from services.scheduler.router import Candidate
+from services.scheduler.speculation import SpeculativeConfig
 from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import KVStoreUse, PlannerListener, RequestOutput, WorkerScheduler
 
@@ -76,6 +77,7 @@ class WorkerLoop:
         listener: PlannerListener | None = None,
         kv_store: KVStoreUse | None = None,
         long_prefill_token_threshold: int = 0,
+        speculation: SpeculativeConfig | None = None,
     ) -> WorkerLoop:
         planner = WorkerScheduler(
             worker_id=hello.worker_id,
@@ -89,6 +91,7 @@ class WorkerLoop:
             listener=listener,
             kv_store=kv_store,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            speculation=speculation,
         )
         return cls(hello=hello, planner=planner, depth=depth)
 

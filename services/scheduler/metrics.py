@@ -107,6 +107,18 @@ class SchedulerMetrics:
             registry=registry,
         )  # fmt: skip
 
+        self.spec_decode_num_drafts = Counter(
+            metric("spec_decode_num_drafts"), "Draft proposals sent for verification (one per request and step)",
+            registry=registry,
+        )  # fmt: skip
+        self.spec_decode_num_draft_tokens = Counter(
+            metric("spec_decode_num_draft_tokens"), "Draft tokens sent for verification", registry=registry
+        )
+        self.spec_decode_num_accepted_tokens = Counter(
+            metric("spec_decode_num_accepted_tokens"), "Draft tokens the worker's verification kept",
+            registry=registry,
+        )  # fmt: skip
+
     def request_phases(self, request: Request, first_token_at: float | None, finished_at: float) -> None:
         """A request finished: the time it spent waiting, in prefill and in decode."""
         scheduled = request.first_scheduled_at
@@ -140,6 +152,13 @@ class WorkerMetrics:
     def kv_loaded(self, num_tokens: int, num_missed_blocks: int) -> None:
         self._metrics.kv_store_loaded_tokens.inc(num_tokens)
         self._metrics.kv_store_load_misses.inc(num_missed_blocks)
+
+    def drafted(self, num_draft_tokens: int) -> None:
+        self._metrics.spec_decode_num_drafts.inc()
+        self._metrics.spec_decode_num_draft_tokens.inc(num_draft_tokens)
+
+    def drafts_verified(self, num_accepted_tokens: int) -> None:
+        self._metrics.spec_decode_num_accepted_tokens.inc(num_accepted_tokens)
 
     def prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self._metrics.prefix_cache_queries.inc(num_tokens)

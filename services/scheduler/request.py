@@ -7,6 +7,7 @@ import time
 from collections.abc import Sequence
 
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2
+from services.common.speculation import can_speculate
 from services.common.tracing import TraceContext, new_trace
 from services.scheduler.block_hash import hash_block_tokens
 
@@ -80,6 +81,11 @@ class Request:
         self.num_computed_tokens = 0
         # Tokens that steps in flight will sample for this request (0 or 1): known to the worker, not yet here.
         self.num_pending_samples = 0
+        # Draft tokens the step in flight verifies for it (speculative decoding): that step gains up to this
+        # many tokens more than its pending sample, and num_computed_tokens counts none of them until it answers.
+        self.num_draft_tokens_in_flight = 0
+        # Whether its sampling lets drafts be verified exactly (decided once: sampling never changes).
+        self.speculable = can_speculate(sampling)
         # Prefix-cache hits when the request was first admitted.
         self.num_cached_tokens = 0
         self.status = RequestStatus.WAITING

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
+from services.scheduler.speculation import SpeculativeConfig
 
 DEFAULT_PORT = 50052
 
@@ -27,6 +28,13 @@ class SchedulerSettings(ServiceSettings):
         description="most prompt tokens one request computes per step (vLLM's flag), so a long prefill is "
         "chunked and short turns and decodes between its chunks are not held up; 0: off (up to the step budget)",
         ge=0,
+    )
+    speculative_config: SpeculativeConfig | None = Field(
+        None,
+        description="speculative decoding of greedy requests by prompt lookup, as vLLM's flag: '{\"method\": "
+        '"ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 1, '
+        '"disable_by_batch_size": 4}\' (drafts are verified by the worker in the same step; output unchanged); '
+        "unset: off",
     )
     async_scheduling: bool = Field(
         True, description="send each worker its next step before the current one answers (hides the round trip)"

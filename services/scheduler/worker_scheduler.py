@@ -15,6 +15,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, work
 from services.scheduler.block_pool import Block
 from services.scheduler.kv_cache_manager import KVCacheManager
 from services.scheduler.request import Request, RequestStatus, check_stop
+from services.scheduler.speculation import SpeculativeConfig
 from services.scheduler.waiting_queue import WaitingQueue
 
 log = structlog.get_logger()
@@ -76,8 +77,10 @@ class WorkerSchedulerStats:
 class _Planned:
     request: Request
     num_computed: int
+    # Drafts included.
     num_scheduled: int
     new_block_ids: list[int] = field(default_factory=list)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,6 +113,10 @@ class PlannerListener(Protocol):
 
     def kv_loaded(self, num_tokens: int, num_missed_blocks: int) -> None: ...
 
+    def drafted(self, num_draft_tokens: int) -> None: ...
+
+    def drafts_verified(self, num_accepted_tokens: int) -> None: ...
+
 
 class WorkerScheduler:
     """Plans steps for one worker: running requests first, then admissions from the worker's own queue.
@@ -132,6 +139,7 @@ class WorkerScheduler:
         listener: PlannerListener | None = None,
         kv_store: KVStoreUse | None = None,
         long_prefill_token_threshold: int = 0,
+        speculation: SpeculativeConfig | None = None,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -144,6 +152,7 @@ class WorkerScheduler:
         self.waiting = waiting
         self.listener = listener
         self.kv_store = kv_store
+        self.speculation = speculation
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
         # Admission order: the last one is the newest and the first to be preempted.
         self.running: list[Request] = []
@@ -169,6 +178,9 @@ class WorkerScheduler:
         self.num_mixed_steps = 0
         self.max_batch_size = 0
         self.num_preemptions = 0
+        self.num_drafts = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
 
     @property
     def num_running(self) -> int:
@@ -192,6 +204,11 @@ class WorkerScheduler:
         planned, and a token a step in flight will sample counts as pending, so the next step can compute
         it (async scheduling: the worker appends the tokens it samples itself).
         """
+        speculating = self._speculating()
+        if speculating and any(r.num_pending_samples for r in self.running):
+            # A draft continues a request's last token: steps are planned once the one in flight has answered
+            # (async scheduling gives way to speculation while the batch is small enough to speculate).
+            return None
         budget = self.max_num_batched_tokens
         planned_running: list[_Planned] = []
         preempted = False
@@ -200,10 +217,17 @@ class WorkerScheduler:
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
-            if num_new <= 0 or request.num_output_tokens + request.num_pending_samples >= request.max_tokens:
-                # Nothing to compute yet, or the token in flight is its last one.
+            if (
+                num_new <= 0
+                or request.num_draft_tokens_in_flight
+                or request.num_output_tokens + request.num_pending_samples >= request.max_tokens
+            ):
+                # Nothing to compute yet, its tokens wait on a verification in flight, or the token in flight
+                # is its last one.
                 i += 1
                 continue
+            drafts = self._propose(request, budget) if speculating else []
+            num_new += len(drafts)
             new_ids = self.kv.allocate_slots(request, num_new)
             while new_ids is None:
                 # The newest running request gives its blocks back; it may be this one.
@@ -215,7 +239,7 @@ class WorkerScheduler:
                 new_ids = self.kv.allocate_slots(request, num_new)
             if new_ids is None:
                 break
-            planned_running.append(_Planned(request, request.num_computed_tokens, num_new, new_ids))
+            planned_running.append(_Planned(request, request.num_computed_tokens, num_new, new_ids, drafts))
             budget -= num_new
             i += 1
 
@@ -291,6 +315,27 @@ class WorkerScheduler:
         self._pending_removals = []
         self._commit(planned_running + planned_new)
         return step
+
+    def _speculating(self) -> bool:
+        """Whether this step may carry drafts: speculation is on, the batch is small enough, and some running
+        request can be speculated."""
+        spec = self.speculation
+        return spec is not None and spec.active(len(self.running)) and any(r.speculable for r in self.running)
+
+    def _propose(self, request: Request, budget: int) -> list[int]:
+        """Drafts for a decoding request, within the step's budget and the tokens it may still generate."""
+        assert self.speculation is not None
+        if (
+            not request.speculable
+            or request.num_pending_samples
+            or request.num_computed_tokens != request.num_tokens - 1
+        ):
+            return []
+        # The verified step gains the drafts kept and one token more.
+        room = min(budget, request.max_tokens - request.num_output_tokens) - 1
+        if room < 1:
+            return []
+        return self.speculation.propose(request.all_token_ids, room)
 
     def poll_step(self) -> worker_pb2.Step | None:
         """An empty step that only collects finished loads, when loads are pending and nothing else runs."""
@@ -383,11 +428,20 @@ class WorkerScheduler:
             self.kv_store_resumed += 1
         self._loaded.append(request)
 
-    @staticmethod
-    def _commit(planned: list[_Planned]) -> None:
+    def _commit(self, planned: list[_Planned]) -> None:
         """Book a planned step's progress now, before it answers, so the next step can be planned on top."""
         for p in planned:
             request = p.request
+            if p.draft_token_ids:
+                # Only the known tokens count as computed: update() adds the drafts the worker keeps.
+                request.num_computed_tokens = p.num_computed + p.num_scheduled - len(p.draft_token_ids)
+                request.num_pending_samples += 1
+                request.num_draft_tokens_in_flight = len(p.draft_token_ids)
+                self.num_drafts += 1
+                self.num_draft_tokens += len(p.draft_token_ids)
+                if self.listener is not None:
+                    self.listener.drafted(len(p.draft_token_ids))
+                continue
             request.num_computed_tokens = p.num_computed + p.num_scheduled
             if request.num_computed_tokens == request.num_tokens_with_pending:
                 # The worker samples when a step reaches the end of the tokens it knows.
@@ -400,6 +454,7 @@ class WorkerScheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_pending_samples = 0
+        request.num_draft_tokens_in_flight = 0
 
     def _chunk(self, num_left: int, budget: int) -> int:
         """Tokens of a request to compute in this step: what is left, within the step's budget and, as in
@@ -419,6 +474,7 @@ class WorkerScheduler:
                     new_block_ids=p.new_block_ids,
                     num_computed_tokens=p.num_computed,
                     num_scheduled_tokens=p.num_scheduled,
+                    draft_token_ids=p.draft_token_ids,
                 )
             )
         for p in planned_new:
@@ -467,12 +523,27 @@ class WorkerScheduler:
         self._inflight_cached.pop(step.step_id, None)
 
         outputs: dict[str, RequestOutput] = {}
+        # Speculated requests of this step: how many more tokens each may still gain from it.
+        verified: dict[str, int] = {}
+        accepted = 0
         for sampled in result.sampled:
             request = self._by_id.get(sampled.request_id)
             # Tokens of requests finished, aborted or preempted while the step was in flight are dropped.
-            if request is None or request.status != RequestStatus.RUNNING or request.num_pending_samples == 0:
+            if request is None or request.status != RequestStatus.RUNNING:
                 continue
-            request.num_pending_samples -= 1
+            rid = request.request_id
+            if rid in verified:
+                if verified[rid] == 0:
+                    continue
+                verified[rid] -= 1
+                accepted += 1
+            elif request.num_pending_samples == 0:
+                continue
+            else:
+                request.num_pending_samples -= 1
+                if request.num_draft_tokens_in_flight:
+                    verified[rid] = request.num_draft_tokens_in_flight
+                    request.num_draft_tokens_in_flight = 0
             if sampled.HasField("failure"):
                 # This request alone failed on the worker (e.g. its grammar): end it, the others go on.
                 self._finish(request, RequestStatus.FINISHED_ABORTED)
@@ -498,6 +569,13 @@ class WorkerScheduler:
             if status is not None:
                 self._finish(request, status)
                 out.finish_reason = status
+                verified.pop(rid, None)
+            elif rid in verified:
+                # The KV of the drafts kept so far is valid; the newest token is computed by the next step.
+                request.num_computed_tokens = request.num_tokens - 1
+        if accepted and self.listener is not None:
+            self.listener.drafts_verified(accepted)
+        self.num_accepted_tokens += accepted
         return list(outputs.values())
 
     def fail_step(self, step: worker_pb2.Step, error: str) -> list[RequestOutput]:

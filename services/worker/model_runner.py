@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import structlog
@@ -13,6 +14,7 @@ import torch
 
 from services.common.grammar_check import is_constrained
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
+from services.common.speculation import MAX_DRAFT_TOKENS, accepted_length, can_speculate
 from services.common.tracing import trace_id_of
 from services.worker.attach import StepRejected
 from services.worker.distributed import SINGLE, DistInit, init_tp_group
@@ -71,7 +73,23 @@ class _Scheduled:
     """One request's work in the step being executed."""
 
     request: CachedRequest
+    # Tokens computed in this step, drafts included.
     num_scheduled: int
+    # Speculative decoding: tokens guessed to follow the request's known ones, computed after them.
+    draft_token_ids: list[int] = field(default_factory=list)
+
+    @functools.cached_property
+    def token_ids(self) -> list[int]:
+        """The tokens this step reads: the request's known ones, then its drafts (one list, built once)."""
+        if not self.draft_token_ids:
+            return self.request.token_ids
+        return self.request.token_ids + self.draft_token_ids
+
+    @property
+    def num_sample_rows(self) -> int:
+        """Rows sampled for it: one per draft plus the one after them, when the step reaches its end."""
+        done = self.request.num_computed_tokens + self.num_scheduled == len(self.token_ids)
+        return 1 + len(self.draft_token_ids) if done else 0
 
 
 class ModelRunner:
@@ -471,10 +489,15 @@ class ModelRunner:
                     f"{sched.num_computed_tokens}, worker has {cached.num_computed_tokens}",
                 )
             blocks = cached.block_ids + list(sched.new_block_ids)
+            drafts = self._check_drafts(sched, cached)
             self._check_work(
-                sched.request_id, cached.num_computed_tokens, sched.num_scheduled_tokens, cached.token_ids, blocks
+                sched.request_id,
+                cached.num_computed_tokens,
+                sched.num_scheduled_tokens,
+                cached.token_ids + drafts if drafts else cached.token_ids,
+                blocks,
             )
-            running.append((_Scheduled(cached, sched.num_scheduled_tokens), list(sched.new_block_ids)))
+            running.append((_Scheduled(cached, sched.num_scheduled_tokens, drafts), list(sched.new_block_ids)))
         work = new + [item for item, _ in running]
         total = sum(item.num_scheduled for item in work)
         if total > self.config.max_num_batched_tokens:
@@ -490,6 +513,26 @@ class ModelRunner:
         for item, new_blocks in running:
             self.batch.extend_blocks(item.request, new_blocks)
         return work
+
+    def _check_drafts(self, sched: worker_pb2.ScheduledRequest, cached: CachedRequest) -> list[int]:
+        """A scheduled request's draft tokens, once they are within the rules of services/common/speculation.py."""
+        drafts = list(sched.draft_token_ids)
+        if not drafts:
+            return drafts
+        rid = sched.request_id
+        if len(drafts) > MAX_DRAFT_TOKENS:
+            raise StepRejected(rid, f"request {rid!r}: {len(drafts)} draft tokens, at most {MAX_DRAFT_TOKENS}")
+        if not can_speculate(cached.sampling):
+            raise StepRejected(rid, f"request {rid!r}: draft tokens for a request that is not greedy or has a grammar")
+        bad = [t for t in drafts if not 0 <= t < self.vocab_size]
+        if bad:
+            raise StepRejected(rid, f"request {rid!r}: draft token id {bad[0]} outside [0, {self.vocab_size})")
+        if cached.num_computed_tokens + sched.num_scheduled_tokens != cached.num_tokens + len(drafts):
+            raise StepRejected(
+                rid,
+                f"request {rid!r}: draft tokens must follow all of its {cached.num_tokens} known tokens in one step",
+            )
+        return drafts
 
     @staticmethod
     def _check_id(request_id: str, seen: set[str]) -> None:
@@ -523,27 +566,33 @@ class ModelRunner:
             raise StepRejected(request_id, f"request {request_id!r}: block id {bad[0]} >= num_blocks={self.num_blocks}")
 
     def _run(self, work: list[_Scheduled], result: worker_pb2.StepResult) -> None:
-        """Forward the flat batch, sample the rows that reached their end (rank 0), advance the batch."""
-        spans = [
-            (item.request.token_ids, item.request.block_ids, item.request.num_computed_tokens, item.num_scheduled)
-            for item in work
-        ]
-        done = [item.request.num_computed_tokens + item.num_scheduled == item.request.num_tokens for item in work]
-        sample_work = [item for item, d in zip(work, done, strict=True) if d]
-        ends = itertools.accumulate(item.num_scheduled for item in work)
-        sample_rows = [end - 1 for end, d in zip(ends, done, strict=True) if d]
+        """Forward the flat batch, sample the rows that reached their end (rank 0), advance the batch.
+
+        A request with drafts has a row sampled at each draft position (the history up to it as its own): the
+        drafts those samples confirm are kept with the sample after the last one, and the positions past them
+        are forgotten (their KV slots are written again by a later step)."""
+        spans = [(item.token_ids, item.request.block_ids, item.request.num_computed_tokens, item.num_scheduled)
+                 for item in work]  # fmt: skip
+        num_rows = [item.num_sample_rows for item in work]
+        sample_work = [(item, n) for item, n in zip(work, num_rows, strict=True) if n]
+        sample_rows: list[int] = []
+        for end, n in zip(itertools.accumulate(item.num_scheduled for item in work), num_rows, strict=True):
+            sample_rows.extend(range(end - n, end))
         logits = self.forward(spans, sample_rows)
         for item in work:
             item.request.num_computed_tokens += item.num_scheduled
         if logits is None:
             return
         token_ids: list[int] | None = None
-        extras: list[Sampled | None] = [None] * len(sample_work)
+        extras: list[Sampled | None] = [None] * len(sample_rows)
         if self.tp.is_driver:
-            rows = [item.request for item in sample_work]
+            rows = [item.request for item, n in sample_work for _ in range(n)]
             requests = [
-                SampleRequest(r.sampling_options, r.num_output_tokens, r.token_ids, r.num_prompt_tokens) for r in rows
-            ]
+                SampleRequest(item.request.sampling_options, item.request.num_output_tokens + j, item.token_ids,
+                              item.request.num_prompt_tokens)
+                for item, n in sample_work
+                for j in range(n)
+            ]  # fmt: skip
             try:
                 # A request whose grammar failed has no matcher (failure set instead): sampled unmasked, dropped.
                 constrained = self.grammar is not None and any(r.grammar is not None for r in rows)
@@ -551,28 +600,42 @@ class ModelRunner:
                 sampled = self.sampler.sample(logits, requests, allowed)
             except Exception:
                 # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
-                self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_work), len(sample_work))
+                self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows))
                 raise
             token_ids = [s.token_id for s in sampled]
             extras = list(sampled)
             if constrained:
+                # Constrained requests have no drafts: one row each.
                 self._advance_grammars(rows, token_ids)
         # Every rank appends the same tokens so their persistent batches stay identical.
-        token_ids = self.tp.broadcast_ints(token_ids, len(sample_work))
+        token_ids = self.tp.broadcast_ints(token_ids, len(sample_rows))
         if SAMPLING_FAILED in token_ids:
             raise RuntimeError("rank 0 failed to sample this step")
-        for item, token_id, extra in zip(sample_work, token_ids, extras, strict=True):
-            item.request.token_ids.append(token_id)
-            token = worker_pb2.SampledToken(request_id=item.request.request_id, token_id=token_id)
-            if item.request.failure is not None:
-                field, message = item.request.failure
-                token.failure.field, token.failure.message = field, message
-            if extra is not None and extra.logprob is not None:
-                token.logprob = extra.logprob
-                if extra.top_token_ids:
-                    token.top_logprobs.token_ids.extend(extra.top_token_ids)
-                    token.top_logprobs.logprobs.extend(extra.top_logprobs)
-            result.sampled.append(token)
+        first = 0
+        for item, n in sample_work:
+            row_tokens, row_extras = token_ids[first : first + n], extras[first : first + n]
+            first += n
+            kept = accepted_length(item.draft_token_ids, row_tokens)
+            request = item.request
+            request.token_ids.extend(row_tokens[:kept])
+            if item.draft_token_ids:
+                # KV holds the known tokens and the drafts kept; the last token is computed by the next step.
+                request.num_computed_tokens = request.num_tokens - 1
+            for token_id, extra in zip(row_tokens[:kept], row_extras[:kept], strict=True):
+                result.sampled.append(self._sampled_token(request, token_id, extra))
+
+    @staticmethod
+    def _sampled_token(request: CachedRequest, token_id: int, extra: Sampled | None) -> worker_pb2.SampledToken:
+        token = worker_pb2.SampledToken(request_id=request.request_id, token_id=token_id)
+        if request.failure is not None:
+            field_name, message = request.failure
+            token.failure.field, token.failure.message = field_name, message
+        if extra is not None and extra.logprob is not None:
+            token.logprob = extra.logprob
+            if extra.top_token_ids:
+                token.top_logprobs.token_ids.extend(extra.top_token_ids)
+                token.top_logprobs.logprobs.extend(extra.top_logprobs)
+        return token
 
     def _allowed(self, rows: Sequence[CachedRequest]) -> torch.Tensor | None:
         """The grammar masks of the rows being sampled (None when none is constrained)."""

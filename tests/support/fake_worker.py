@@ -6,6 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.common.proto.meshserve.v1 import worker_pb2
+from services.common.speculation import accepted_length
 
 BS = 4
 
@@ -38,6 +39,8 @@ class FakeWorker:
     loads: list[tuple[int, worker_pb2.KVLoad]] = field(default_factory=list)
     loading_blocks: set[int] = field(default_factory=set)
     num_saved: int = 0
+    # Steps of a request with drafts (speculative decoding) this worker verified.
+    num_verified: int = 0
 
     def _take_loads(self, step: worker_pb2.Step, result: worker_pb2.StepResult) -> None:
         for load in step.kv_loads:
@@ -63,6 +66,7 @@ class FakeWorker:
         for rid in step.removed_request_ids:
             self.held.pop(rid)
         work: list[tuple[str, int]] = []
+        drafts: dict[str, list[int]] = {}
         for n in step.new_requests:
             assert n.request_id not in self.held
             self.held[n.request_id] = _Held(
@@ -73,19 +77,29 @@ class FakeWorker:
             h = self.held[s.request_id]
             assert s.num_computed_tokens == h.computed
             h.blocks += s.new_block_ids
+            if s.draft_token_ids:
+                drafts[s.request_id] = list(s.draft_token_ids)
+                assert s.num_computed_tokens + s.num_scheduled_tokens == len(h.tokens) + len(s.draft_token_ids)
             work.append((s.request_id, s.num_scheduled_tokens))
         for rid, _ in work:
             touched = self.loading_blocks.intersection(self.held[rid].blocks)
             assert not touched, f"step {step.step_id} uses blocks {touched} that are still loading"
         for rid, num in work:
             h = self.held[rid]
+            guess = drafts.get(rid, [])
             h.computed += num
-            assert h.computed <= len(h.tokens)
+            assert h.computed <= len(h.tokens) + len(guess)
             assert len(h.blocks) * self.block_size >= h.computed
-            if h.computed == len(h.tokens):
-                tok = self.next_token(h.tokens)
-                h.tokens.append(tok)
-                result.sampled.append(worker_pb2.SampledToken(request_id=rid, token_id=tok, logprob=-0.5))
+            if h.computed == len(h.tokens) + len(guess):
+                # Verification as the real worker does it: a sample at every draft position.
+                sampled = [self.next_token(h.tokens + guess[:j]) for j in range(len(guess) + 1)]
+                kept = sampled[: accepted_length(guess, sampled)]
+                h.tokens += kept
+                if guess:
+                    h.computed = len(h.tokens) - 1
+                    self.num_verified += 1
+                for tok in kept:
+                    result.sampled.append(worker_pb2.SampledToken(request_id=rid, token_id=tok, logprob=-0.5))
         for save in step.kv_saves:
             assert self.store is not None, "kv_saves sent to a worker without a store"
             self.store.add(save.block_hash)

@@ -85,3 +85,18 @@ def test_list_flags_repeat_and_take_several_values() -> None:
     args = parser.parse_args(["--api-key", "a", "--api-key", "b", "c", "--served-model-name", "smol"])
     settings = settings_from_args(GatewaySettings, args)
     assert settings.api_key == ["a", "b", "c"] and settings.served_model_name == ["smol"]
+
+
+def test_structured_flags_take_one_json_object(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _parse(SchedulerSettings, []).speculative_config is None
+    spec = _parse(SchedulerSettings, ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}'])
+    assert spec.speculative_config is not None and spec.speculative_config.num_speculative_tokens == 3
+    monkeypatch.setenv("MESHSERVE_SPECULATIVE_CONFIG", '{"num_speculative_tokens": 5, "prompt_lookup_max": 2}')
+    from_env = _parse(SchedulerSettings, []).speculative_config
+    assert from_env is not None and (from_env.num_speculative_tokens, from_env.prompt_lookup_max) == (5, 2)
+    with pytest.raises(ValidationError, match=r"speculative_config\.num_speculative_tokens"):
+        _parse(SchedulerSettings, ["--speculative-config", '{"num_speculative_tokens": 0}'])
+    # Not JSON, or not an object: argparse names the flag.
+    for text in ("num_speculative_tokens=3", "[3]"):
+        with pytest.raises(SystemExit):
+            _parse(SchedulerSettings, ["--speculative-config", text])

@@ -103,3 +103,12 @@ def test_metrics_ports_one_per_service() -> None:
         "worker-0": 9003,
         "worker-1": 9004,
     }
+
+
+def test_speculative_config_is_checked_by_up_and_reaches_the_scheduler() -> None:
+    assert "--speculative-config" not in up.scheduler_args(_parse())
+    text = '{"num_speculative_tokens": 4, "disable_by_batch_size": 4}'
+    args = up.scheduler_args(_parse("--speculative-config", text))
+    assert args[args.index("--speculative-config") + 1] == text
+    with pytest.raises(SystemExit):
+        _parse("--speculative-config", '{"num_speculative_tokens": 4, "typo": 1}')

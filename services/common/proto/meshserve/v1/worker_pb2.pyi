@@ -345,15 +345,29 @@ class ScheduledRequest(_message.Message):
     NEW_BLOCK_IDS_FIELD_NUMBER: _builtins.int
     NUM_COMPUTED_TOKENS_FIELD_NUMBER: _builtins.int
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Request id."""
     num_computed_tokens: _builtins.int
     """Tokens whose KV is in the cache before this step (a consistency check)."""
     num_scheduled_tokens: _builtins.int
-    """Tokens to compute in this step (1 for decode, more for a prefill chunk)."""
+    """Tokens to compute in this step (1 for decode, more for a prefill chunk),
+    draft_token_ids included.
+    """
     @_builtins.property
     def new_block_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
         """Blocks appended to the request's block table since the last step."""
+
+    @_builtins.property
+    def draft_token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Speculative decoding: tokens guessed to follow the request's known ones
+        (prompt lookup), computed in this step after them. The worker samples
+        every draft position, keeps the drafts its own samples confirm and adds
+        the token sampled after the last one kept. Only for a request whose
+        sampling allows it (greedy, no grammar), only when the step computes the
+        rest of its known tokens, at most 16 (MAX_DRAFT_TOKENS); the blocks must
+        hold the drafts too.
+        """
 
     def __init__(
         self,
@@ -362,10 +376,11 @@ class ScheduledRequest(_message.Message):
         new_block_ids: _abc.Iterable[_builtins.int] | None = ...,
         num_computed_tokens: _builtins.int = ...,
         num_scheduled_tokens: _builtins.int = ...,
+        draft_token_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["new_block_ids", b"new_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["draft_token_ids", b"draft_token_ids", "new_block_ids", b"new_block_ids", "num_computed_tokens", b"num_computed_tokens", "num_scheduled_tokens", b"num_scheduled_tokens", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -619,7 +634,9 @@ class StepResult(_message.Message):
     @_builtins.property
     def sampled(self) -> _containers.RepeatedCompositeFieldContainer[Global___SampledToken]:
         """One entry per request that finished its prefill or decoded in this step;
-        requests mid-way through a chunked prefill get none.
+        requests mid-way through a chunked prefill get none. A request with
+        draft_token_ids gets one entry per token it gained, in order: the drafts
+        kept, then the token sampled after them.
         """
 
     @_builtins.property
