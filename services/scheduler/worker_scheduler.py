@@ -227,8 +227,12 @@ class WorkerScheduler:
                 i += 1
                 continue
             drafts = self._propose(request, budget) if speculating else []
+            new_ids = self.kv.allocate_slots(request, num_new + len(drafts))
+            if new_ids is None and drafts:
+                # Drafts only ever use spare blocks: never preempt anyone for them.
+                drafts = []
+                new_ids = self.kv.allocate_slots(request, num_new)
             num_new += len(drafts)
-            new_ids = self.kv.allocate_slots(request, num_new)
             while new_ids is None:
                 # The newest running request gives its blocks back; it may be this one.
                 victim = self.running[-1]

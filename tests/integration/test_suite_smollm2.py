@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -163,3 +165,32 @@ def test_the_official_openai_client_on_smollm2(smol_suite: Suite, http_port: int
         jsonschema.validate(json.loads(content), PERSON_SCHEMA)
 
     asyncio.run(run())
+
+
+COPY_TASKS = [
+    "Repeat this sentence exactly, twice: The quick brown fox jumps over the lazy dog near the river bank.",
+    "Copy this list as it is: alpha, beta, gamma, delta, epsilon, zeta, eta, theta, iota, kappa, lambda.",
+]
+
+
+def test_speculative_decoding_keeps_greedy_answers(smollm2_dir: Path, tmp_path: Path) -> None:
+    """Prompt-lookup drafts verified by SmolLM2 itself: every answer token for token as transformers', and the
+    copying prompts (whose answers are in their prompts) really do keep drafts."""
+    metrics_port = free_port()
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+    suite = start_suite(
+        smollm2_dir,
+        tmp_path,
+        worker_args=["--kv-cache-memory", "1GiB"],
+        scheduler_args=["--speculative-config", spec, "--metrics-port", str(metrics_port)],
+    )
+    try:
+        conversations = [[("user", q)] for q in [*QUESTIONS[:4], *COPY_TASKS]]
+        answers = asyncio.run(_answers(suite.address, conversations))
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
+            metrics = reply.read().decode()
+    finally:
+        suite.stop()
+    _check(smollm2_dir, conversations, answers)
+    accepted = re.search(r"^meshserve:spec_decode_num_accepted_tokens_total\{[^}]*\} (\S+)$", metrics, re.MULTILINE)
+    assert accepted is not None and float(accepted.group(1)) > 0

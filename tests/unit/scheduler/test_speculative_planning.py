@@ -204,3 +204,22 @@ def test_a_request_preempted_while_its_drafts_are_verified_drops_them_and_recomp
     assert outputs == [] and a.output_token_ids == [7]
     run(sched, worker)
     assert a.output_token_ids == [7, 8, 9] * 4 and a.status is RequestStatus.FINISHED_LENGTH
+
+
+def test_drafts_never_preempt_another_request_for_their_blocks() -> None:
+    sched, waiting = make_sched(SPEC, num_blocks=2)
+    worker = FakeWorker(next_token=cyclic(3))
+    a, b = make_req("a", [7, 8, 9], max_tokens=4), make_req("b", [1, 2, 3], max_tokens=4)
+    waiting.append(a)
+    waiting.append(b)
+    prefill = sched.schedule()
+    assert prefill is not None and len(prefill.new_requests) == 2
+    sched.update(prefill, worker.execute(prefill))
+    # Each holds its one block; a's drafts (8 9) would need a second, which only preempting b could free.
+    step = sched.schedule()
+    assert step is not None
+    assert [s.request_id for s in step.scheduled] == ["a", "b"]
+    assert not any(s.draft_token_ids for s in step.scheduled) and sched.num_preemptions == 0
+    sched.update(step, worker.execute(step))
+    run(sched, worker)
+    assert a.output_token_ids == [7, 8, 9, 7] and b.output_token_ids == [1, 2, 3, 1]
