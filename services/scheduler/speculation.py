@@ -27,14 +27,14 @@ class SpeculativeConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    method: Literal["ngram"] = Field("ngram", description="how drafts are proposed: ngram (prompt lookup)")
+    method: Literal["ngram"] = Field(default="ngram", description="how drafts are proposed: ngram (prompt lookup)")
     num_speculative_tokens: int = Field(
         ge=1, le=MAX_DRAFT_TOKENS, description="most draft tokens one request carries in one step"
     )
-    prompt_lookup_max: int = Field(4, ge=1, le=MAX_PROMPT_LOOKUP, description="longest suffix n-gram matched")
-    prompt_lookup_min: int = Field(1, ge=1, le=MAX_PROMPT_LOOKUP, description="shortest suffix n-gram matched")
+    prompt_lookup_max: int = Field(default=4, ge=1, le=MAX_PROMPT_LOOKUP, description="longest suffix n-gram matched")
+    prompt_lookup_min: int = Field(default=1, ge=1, le=MAX_PROMPT_LOOKUP, description="shortest suffix n-gram matched")
     disable_by_batch_size: int | None = Field(
-        None,
+        default=None,
         ge=1,
         description="no drafts while more requests than this run on the worker (a full batch gains less from "
         "speculation than its extra rows cost); unset: always",

@@ -33,10 +33,11 @@ def _device_args(device: str) -> list[str]:
 
 
 def _serve(
-    model_dir: Path, log_dir: Path, device: str, tp: int, prompts: Sequence[Sequence[int]], max_tokens: int
-) -> list[Answer]:
+    model_dir: Path, log_dir: Path, device: str, tp: int, prompts: Sequence[Sequence[int]], max_tokens: int,
+    scheduler_args: Sequence[str] = (),
+) -> list[Answer]:  # fmt: skip
     args = [*_device_args(device), *FP32, "--tensor-parallel-size", str(tp), "--max-model-len", "512"]
-    suite = start_suite(model_dir, log_dir, worker_args=args)
+    suite = start_suite(model_dir, log_dir, worker_args=args, scheduler_args=scheduler_args)
     try:
         return asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens))
     finally:
@@ -56,6 +57,14 @@ def test_tp2_matches_tp1_with_fewer_kv_heads_than_ranks(device: str, one_kv_head
     tp2 = _serve(one_kv_head_model, tmp_path / "tp2", device, 2, prompts, 16)
     assert [a.token_ids for a in tp2] == [a.token_ids for a in tp1]
     assert [a.token_ids for a in tp1] == [transformers_greedy(one_kv_head_model, p, 16) for p in prompts]
+
+
+def test_tp2_ranks_verify_drafts_alike(one_kv_head_model: Path, tmp_path: Path) -> None:
+    # Every rank keeps the same drafts (it sees the same sampled rows): the answers are plain greedy decoding's.
+    prompts = [[5, 6, 7, 8, 9] * 6, [300, 301, 302] * 8, list(range(20, 60))]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    tp2 = _serve(one_kv_head_model, tmp_path, "cpu", 2, prompts, 24, spec)
+    assert [a.token_ids for a in tp2] == [transformers_greedy(one_kv_head_model, p, 24) for p in prompts]
 
 
 @pytest.mark.slow

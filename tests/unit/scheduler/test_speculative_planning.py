@@ -22,7 +22,9 @@ def cyclic(period: int) -> Callable[[list[int]], int]:
     return lambda tokens: tokens[-period] if len(tokens) >= period else 1000 + len(tokens)
 
 
-def make_sched(spec: SpeculativeConfig | None, max_num_batched_tokens: int = 64, num_blocks: int = 64):
+def make_sched(
+    spec: SpeculativeConfig | None, max_num_batched_tokens: int = 64, num_blocks: int = 64
+) -> tuple[WorkerScheduler, WaitingQueue]:
     waiting = WaitingQueue()
     sched = WorkerScheduler(
         "w0",
@@ -44,7 +46,7 @@ def make_req(rid: str, prompt: list[int], max_tokens: int, **sampling: object) -
 
 
 def run(sched: WorkerScheduler, worker: FakeWorker, max_steps: int = 1000) -> list[worker_pb2.Step]:
-    steps = []
+    steps: list[worker_pb2.Step] = []
     for _ in range(max_steps):
         step = sched.schedule()
         if step is None:
