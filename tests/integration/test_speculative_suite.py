@@ -28,7 +28,7 @@ def _prompts() -> list[list[int]]:
     # Repeating prompts: prompt lookup finds their continuation; random ones: it finds little.
     repeating = [[7, 8, 9, 10, 11] * 8, [300, 301, 302] * 12]
     random_ = [[rng.randrange(10, 512) for _ in range(rng.randint(30, 80))] for _ in range(4)]
-    return repeating + random_ + [shared + [1, 2, 3], shared + [4, 5, 6]]
+    return repeating + random_ + [[*shared, 1, 2, 3], [*shared, 4, 5, 6]]
 
 
 def _metric(text: str, name: str) -> float:
