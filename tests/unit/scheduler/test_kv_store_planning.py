@@ -6,24 +6,16 @@ import pytest
 
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import KVStoreUse, WorkerScheduler
 from tests.support.fake_worker import BS, FakeWorker
+from tests.support.planner import make_planner
 
 FORMAT = "meshserve-kv1:" + "0" * 64
 
 
 def make_sched(num_blocks: int = 64, swap: bool = False, max_num_batched_tokens: int = 64) -> WorkerScheduler:
-    return WorkerScheduler(
-        "w0",
-        num_blocks=num_blocks,
-        block_size=BS,
-        max_num_seqs=8,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=256,
-        enable_prefix_caching=True,
-        waiting=WaitingQueue(),
-        kv_store=KVStoreUse(FORMAT, swap=swap),
+    return make_planner(
+        num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, kv_store=KVStoreUse(FORMAT, swap=swap)
     )
 
 

@@ -12,6 +12,7 @@ from services.scheduler.speculation import SpeculativeConfig, propose_ngram
 from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import WorkerScheduler
 from tests.support.fake_worker import BS, FakeWorker, default_next_token
+from tests.support.planner import make_planner
 
 EOS = 2
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
@@ -26,18 +27,10 @@ def make_sched(
     spec: SpeculativeConfig | None, max_num_batched_tokens: int = 64, num_blocks: int = 64
 ) -> tuple[WorkerScheduler, WaitingQueue]:
     waiting = WaitingQueue()
-    sched = WorkerScheduler(
-        "w0",
-        num_blocks=num_blocks,
-        block_size=BS,
-        max_num_seqs=8,
-        max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=256,
-        enable_prefix_caching=True,
-        waiting=waiting,
-        speculation=spec,
+    planner = make_planner(
+        waiting, num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, speculation=spec
     )
-    return sched, waiting
+    return planner, waiting
 
 
 def make_req(rid: str, prompt: list[int], max_tokens: int, **sampling: object) -> Request:

@@ -8,7 +8,8 @@ from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.scheduler.request import Request, RequestStatus
 from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import RequestOutput, WorkerScheduler
-from tests.support.fake_worker import BS, FakeWorker, default_next_token
+from tests.support.fake_worker import FakeWorker, default_next_token
+from tests.support.planner import make_planner
 
 EOS = 2
 
@@ -20,15 +21,12 @@ def make_sched(
     max_num_batched_tokens: int = 64,
     caching: bool = True,
 ) -> WorkerScheduler:
-    return WorkerScheduler(
-        "w0",
+    return make_planner(
+        waiting,
         num_blocks=num_blocks,
-        block_size=BS,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
-        max_model_len=256,
-        enable_prefix_caching=caching,
-        waiting=WaitingQueue() if waiting is None else waiting,
+        caching=caching,
     )
 
 
