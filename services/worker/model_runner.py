@@ -462,7 +462,7 @@ class ModelRunner:
                     req.request_id, f"request {req.request_id!r} has token id {bad[0]} outside [0, {self.vocab_size})"
                 )
             blocks = list(req.block_ids)
-            self._check_work(req.request_id, req.num_computed_tokens, req.num_scheduled_tokens, tokens, blocks)
+            self._check_work(req.request_id, req.num_computed_tokens, req.num_scheduled_tokens, len(tokens), blocks)
             cached = CachedRequest(
                 request_id=req.request_id,
                 token_ids=tokens,
@@ -494,7 +494,7 @@ class ModelRunner:
                 sched.request_id,
                 cached.num_computed_tokens,
                 sched.num_scheduled_tokens,
-                cached.token_ids + drafts if drafts else cached.token_ids,
+                cached.num_tokens + len(drafts),
                 blocks,
             )
             running.append((_Scheduled(cached, sched.num_scheduled_tokens, drafts), list(sched.new_block_ids)))
@@ -543,14 +543,15 @@ class ModelRunner:
         seen.add(request_id)
 
     def _check_work(
-        self, request_id: str, num_computed: int, num_scheduled: int, tokens: list[int], blocks: list[int]
+        self, request_id: str, num_computed: int, num_scheduled: int, num_tokens: int, blocks: list[int]
     ) -> None:
+        """The work fits the request's tokens (drafts included), --max-model-len and its blocks."""
         if num_scheduled < 1:
             raise StepRejected(request_id, f"request {request_id!r}: num_scheduled_tokens must be >= 1")
         end = num_computed + num_scheduled
-        if end > len(tokens):
+        if end > num_tokens:
             raise StepRejected(
-                request_id, f"request {request_id!r}: computing up to token {end} but it has only {len(tokens)} tokens"
+                request_id, f"request {request_id!r}: computing up to token {end} but it has only {num_tokens} tokens"
             )
         if end > self.max_model_len:
             raise StepRejected(
