@@ -43,7 +43,8 @@ async def store_stats(address: str) -> kvstore_pb2.StoreStats:
 
 
 async def wait_stored(address: str, num_blocks: int, timeout: float = 60.0) -> kvstore_pb2.StoreStats:
-    """Saves run behind the steps: poll until the store holds at least num_blocks blocks."""
+    """Saves run behind the steps (and wait for each other, up to the worker's SAVE_LINGER_S): poll until
+    the store has stored at least num_blocks blocks since it started."""
     deadline = asyncio.get_running_loop().time() + timeout
     while True:
         stats = await store_stats(address)
@@ -68,8 +69,10 @@ def _prefix_on_one_worker_then_the_other(
     async def run() -> tuple[Answer, Answer]:
         if reverse:
             await greedy_token_answers(suite.address, [[7, 8, 9]], max_tokens=1)
+        stored_before = (await store_stats(_store(suite))).blocks_stored
         (first,) = await greedy_token_answers(suite.address, [prompt], max_tokens=24)
-        await wait_stored(_store(suite), (len(prompt) - 1) // BLOCK)
+        # The prompt's own blocks, not ones an earlier request stored.
+        await wait_stored(_store(suite), stored_before + (len(prompt) - 1) // BLOCK)
         (second,) = await greedy_token_answers(suite.address, [prompt], max_tokens=24)
         return first, second
 
