@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent import futures
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -68,7 +69,9 @@ def store() -> Iterator[tuple[CountingStore, str]]:
     server.stop(0)
 
 
-def _transfer(address: str, linger_s: float) -> KVTransfer:
+@contextmanager
+def _transfer(address: str, linger_s: float) -> Iterator[KVTransfer]:
+    """The worker's KVTransfer over a fresh CPU cache, closed on leaving."""
     cache = KVCache.allocate(
         num_blocks=NUM_BLOCKS,
         num_layers=GEOMETRY.num_layers,
@@ -79,10 +82,14 @@ def _transfer(address: str, linger_s: float) -> KVTransfer:
         device=torch.device("cpu"),
         layout=HND,
     )
-    return KVTransfer(
+    transfer = KVTransfer(
         address, FORMAT, GEOMETRY, cache.layers, HND, CpuPlatform(), save_queue_blocks=4 * NUM_BLOCKS,
         save_linger_s=linger_s,
     )  # fmt: skip
+    try:
+        yield transfer
+    finally:
+        transfer.close()
 
 
 def _refs(block_ids: range, salt: str) -> list[worker_pb2.KVBlockRef]:
@@ -100,9 +107,8 @@ def _wait_saved(transfer: KVTransfer, count: int) -> None:
 
 def test_saves_of_several_steps_go_in_one_put(store: tuple[CountingStore, str]) -> None:
     servicer, address = store
-    # Longer than the three steps below can take, however slow the machine: they must share one Put.
-    transfer = _transfer(address, linger_s=30.0)
-    try:
+    # A linger no test outlives: the saves can only go together, because a whole Put's worth is queued.
+    with _transfer(address, linger_s=3600.0) as transfer:
         transfer.save(_refs(range(0, 2), "steps"))
         transfer.save(_refs(range(2, 3), "steps"))
         transfer.save(_refs(range(3, 5), "steps"))
@@ -110,33 +116,16 @@ def test_saves_of_several_steps_go_in_one_put(store: tuple[CountingStore, str]) 
         transfer.save(_refs(range(5, PUT_BATCH_BLOCKS), "steps"))
         _wait_saved(transfer, PUT_BATCH_BLOCKS)
         assert servicer.puts == [PUT_BATCH_BLOCKS]
-    finally:
-        transfer.close()
 
 
 def test_a_lone_save_goes_once_the_linger_ends(store: tuple[CountingStore, str]) -> None:
     servicer, address = store
-    transfer = _transfer(address, linger_s=0.2)
-    try:
+    with _transfer(address, linger_s=0.2) as transfer:
         transfer.save(_refs(range(0, 1), "lone"))
         _wait_saved(transfer, 1)
         transfer.save(_refs(range(1, 3), "lone"))
         _wait_saved(transfer, 3)
         assert servicer.puts == [1, 2]
-    finally:
-        transfer.close()
-
-
-def test_more_than_a_put_goes_at_once_in_puts_of_the_batch_size(store: tuple[CountingStore, str]) -> None:
-    servicer, address = store
-    # A linger no test outlives: the saves can only go because a whole Put's worth is queued.
-    transfer = _transfer(address, linger_s=3600.0)
-    try:
-        transfer.save(_refs(range(0, PUT_BATCH_BLOCKS), "full"))
-        _wait_saved(transfer, PUT_BATCH_BLOCKS)
-        assert servicer.puts == [PUT_BATCH_BLOCKS]
-    finally:
-        transfer.close()
 
 
 @pytest.mark.parametrize("queued", [3, 0])
@@ -144,10 +133,10 @@ def test_close_ends_the_linger(store: tuple[CountingStore, str], queued: int, mo
     servicer, address = store
     failures: list[threading.ExceptHookArgs] = []
     monkeypatch.setattr(threading, "excepthook", failures.append)
-    transfer = _transfer(address, linger_s=3600.0)
-    if queued:
-        transfer.save(_refs(range(0, queued), "close"))
-    transfer.close()
+    with _transfer(address, linger_s=3600.0) as transfer:
+        if queued:
+            transfer.save(_refs(range(0, queued), "close"))
+        transfer.close()
     # close() joins the save thread (with a timeout): it must have ended, not be waiting out the linger,
     # and ended by returning, not by an exception.
     assert not transfer._save_thread.is_alive()
