@@ -41,6 +41,7 @@ import xxhash
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from services.client.bench.cpu_ticks import machine_ticks, process_ticks, ticks_per_second  # noqa: E402
 from services.client.bench.provenance import git_commit  # noqa: E402
 from services.client.launcher import Launcher, ServiceProcess  # noqa: E402
 from services.common.grpc_server import CHANNEL_OPTIONS, server_options  # noqa: E402
@@ -144,23 +145,6 @@ async def serve_null(port: int) -> None:
     await server.stop(1)
 
 
-def _busy_ticks() -> int:
-    """CPU ticks this machine spent busy, all CPUs (from /proc/stat)."""
-    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    return sum(fields) - fields[3] - fields[4]  # minus idle and iowait
-
-
-def _process_ticks(pids: Sequence[int]) -> int:
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime + stime
-    return total
-
-
 @dataclass
 class CpuWatch:
     """How much of the machine other processes used while something ran."""
@@ -172,13 +156,13 @@ class CpuWatch:
     _start: float = 0.0
 
     def __enter__(self) -> CpuWatch:
-        self._busy, self._ours, self._start = _busy_ticks(), _process_ticks(self.pids), time.monotonic()
+        self._busy, self._ours, self._start = machine_ticks()[0], sum(map(process_ticks, self.pids)), time.monotonic()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        ticks_per_s = os.sysconf("SC_CLK_TCK")
+        ticks_per_s = ticks_per_second()
         capacity = (time.monotonic() - self._start) * ticks_per_s * (os.cpu_count() or 1)
-        others = (_busy_ticks() - self._busy) - (_process_ticks(self.pids) - self._ours)
+        others = (machine_ticks()[0] - self._busy) - (sum(map(process_ticks, self.pids)) - self._ours)
         self.other_share = max(0.0, others / capacity) if capacity else 0.0
 
 

@@ -41,6 +41,7 @@ from typing import Any
 from pydantic_settings import BaseSettings
 
 from services.client.bench.cache_stats import CacheReport, fetch_stats, stats_delta
+from services.client.bench.cpu_ticks import machine_ticks, process_ticks
 from services.client.bench.datasets import (
     BenchRequest,
     Conversation,
@@ -248,30 +249,13 @@ class CpuSample:
     ours: int
 
 
-def _machine_jiffies() -> tuple[int, int]:
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    # user nice system idle iowait irq softirq steal: idle and iowait are the idle ones.
-    idle = fields[3] + fields[4]
-    return sum(fields) - idle, sum(fields)
-
-
-def _process_jiffies(pid: int) -> int:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0  # it exited: its time no longer shows anywhere we could subtract it from
-    # Fields after the command name (which may hold spaces) start at field 3; utime and stime are 14 and 15.
-    fields = stat.rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
-
-
 def cpu_sample(pids: Sequence[int]) -> CpuSample | None:
     """Now; None where there is no /proc (not Linux)."""
     try:
-        busy, total = _machine_jiffies()
+        busy, total = machine_ticks()
     except OSError:
         return None
-    return CpuSample(busy, total, sum(_process_jiffies(p) for p in (os.getpid(), *pids)))
+    return CpuSample(busy, total, sum(process_ticks(p) for p in (os.getpid(), *pids)))
 
 
 def other_share(a: CpuSample | None, b: CpuSample | None) -> float | None:

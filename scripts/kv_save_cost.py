@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from services.client.bench.cpu_ticks import process_ticks, ticks_per_second  # noqa: E402
 from services.client.launcher import Launcher  # noqa: E402
 from services.common.proto.meshserve.v1 import worker_pb2  # noqa: E402
 from services.worker.kv_blocks import SliceGeometry  # noqa: E402
@@ -44,9 +45,7 @@ WAIT_S = 120.0
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, all its threads."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return process_ticks(pid) / ticks_per_second()
 
 
 def run(address: str, store_pid: int, linger_s: float, args: argparse.Namespace, tag: str) -> tuple[float, float]:
