@@ -495,8 +495,7 @@ class KVTransfer:
             with self._lock:
                 while not self._saves and not self._closed:
                     self._saves_changed.wait()
-                if not self._closed:
-                    self._linger()
+                self._linger()
                 if self._closed:
                     return
                 batch = [self._saves.popleft() for _ in range(min(PUT_BATCH_BLOCKS, len(self._saves)))]
@@ -512,11 +511,10 @@ class KVTransfer:
                     self._saves_held -= len(batch)
 
     def _linger(self) -> None:
-        """Under the lock, with saves queued: wait until the oldest has waited SAVE_LINGER_S, a whole Put's
-        worth is queued, or the transfer closes."""
-        deadline = self._saves[0].queued_at + self.save_linger_s
-        while not self._closed and len(self._saves) < PUT_BATCH_BLOCKS:
-            remaining = deadline - time.monotonic()
+        """Under the lock: wait until the oldest queued save has waited SAVE_LINGER_S, a whole Put's worth is
+        queued, or the transfer closes."""
+        while not self._closed and 0 < len(self._saves) < PUT_BATCH_BLOCKS:
+            remaining = self._saves[0].queued_at + self.save_linger_s - time.monotonic()
             if remaining <= 0:
                 return
             self._saves_changed.wait(remaining)
