@@ -32,7 +32,7 @@ from services.client.launcher import Launcher  # noqa: E402
 from services.common.proto.meshserve.v1 import worker_pb2  # noqa: E402
 from services.worker.kv_blocks import SliceGeometry  # noqa: E402
 from services.worker.kv_cache import KVCache  # noqa: E402
-from services.worker.kv_transfer import SAVE_LINGER_S, KVTransfer  # noqa: E402
+from services.worker.kv_transfer import KVTransfer  # noqa: E402
 from services.worker.layers.attention import HND  # noqa: E402
 from services.worker.platforms.cpu import CpuPlatform  # noqa: E402
 from tests.support.kvstore import start_kvstore  # noqa: E402
@@ -89,6 +89,7 @@ def main() -> None:
     parser.add_argument("--per-step", type=int, default=2, help="blocks one step completes")
     parser.add_argument("--step-interval", type=float, default=0.01, help="seconds between steps")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--linger", type=float, default=0.25, help="the linger compared with none (seconds)")
     args = parser.parse_args()
     launcher = Launcher(Path(tempfile.mkdtemp(prefix="kv-save-cost-")))
     try:
@@ -97,7 +98,7 @@ def main() -> None:
         print(f"{args.blocks} blocks ({mb:.0f} MB), {args.per_step} per step every {args.step_interval * 1e3:.0f} ms")
         print("| linger s | round | worker CPU s | store CPU s | both |")
         print("| ---: | ---: | ---: | ---: | ---: |")
-        totals: dict[float, list[float]] = {0.0: [], SAVE_LINGER_S: []}
+        totals: dict[float, list[float]] = {0.0: [], args.linger: []}
         for round_ in range(args.rounds):
             for linger in totals:
                 worker, kvstore = run(store.address, store.process.pid, linger, args, f"{round_}-{linger}")
