@@ -1,4 +1,4 @@
-"""One tensor-parallel group: the device collectives layers use and a gloo channel for rank 0's commands."""
+"""A worker's process groups: every rank together (rank 0's commands, agreement) and the tensor-parallel collectives."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=30)
 
 @dataclass(frozen=True)
 class DistInit:
-    """Where this process sits in the group and how the group meets."""
+    """Where this process sits in the worker's ranks and how they meet."""
 
     rank: int
     world_size: int
@@ -27,8 +27,10 @@ class DistInit:
     init_method: str
 
 
-class TPGroup:
-    """Collectives over the tensor-parallel ranks; every method is a no-op for a group of one."""
+class RankGroup:
+    """Every rank of one worker over gloo: rank 0's commands reach all, and all agree on shared numbers.
+
+    Every method is a no-op for a worker of one rank."""
 
     def __init__(self, rank: int = 0, size: int = 1, cpu_group: Any = None) -> None:
         self.rank = rank
@@ -37,43 +39,28 @@ class TPGroup:
 
     @property
     def is_driver(self) -> bool:
-        """Rank 0 talks to the scheduler, samples and sends every other rank its commands."""
+        """Rank 0 talks to the scheduler and sends every other rank its commands."""
         return self.rank == 0
 
-    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks in place; returns the tensor."""
-        if self.size > 1:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Concatenate every rank's tensor along the last dim, in rank order."""
-        if self.size == 1:
-            return tensor
-        tensor = tensor.contiguous()
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor)
-        return torch.cat(parts, dim=-1)
-
-    def broadcast_ints(self, values: list[int] | None, count: int) -> list[int]:
-        """Rank 0's `count` integers, on every rank (others pass None)."""
+    def broadcast_ints(self, values: list[int] | None, count: int, src: int = 0) -> list[int]:
+        """Rank `src`'s `count` integers, on every rank (others pass None)."""
         if self.size == 1:
             assert values is not None
             return values
-        buffer = torch.tensor(values, dtype=torch.int64) if self.is_driver else torch.empty(count, dtype=torch.int64)
-        dist.broadcast(buffer, src=0, group=self._cpu_group)
+        buffer = torch.tensor(values, dtype=torch.int64) if self.rank == src else torch.empty(count, dtype=torch.int64)
+        dist.broadcast(buffer, src=src, group=self._cpu_group)
         return [int(v) for v in buffer.tolist()]
 
-    def broadcast_bytes(self, payload: bytes | None, length: int) -> bytes:
-        """Rank 0's payload of `length` bytes (known to every rank beforehand) on every rank."""
+    def broadcast_bytes(self, payload: bytes | None, length: int, src: int = 0) -> bytes:
+        """Rank `src`'s payload of `length` bytes (known to every rank beforehand) on every rank."""
         if self.size == 1 or length == 0:
             return payload or b""
-        if self.is_driver:
+        if self.rank == src:
             assert payload is not None and len(payload) == length
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
         else:
             buffer = torch.empty(length, dtype=torch.uint8)
-        dist.broadcast(buffer, src=0, group=self._cpu_group)
+        dist.broadcast(buffer, src=src, group=self._cpu_group)
         return bytes(buffer.numpy())
 
     def min_int(self, value: int) -> int:
@@ -101,13 +88,47 @@ class TPGroup:
         return [[int(v) for v in part.tolist()] for part in parts]
 
 
+class TPGroup:
+    """Device collectives over the tensor-parallel ranks; every method is a no-op for a group of one."""
+
+    def __init__(self, rank: int = 0, size: int = 1, device_group: Any = None) -> None:
+        self.rank = rank
+        self.size = size
+        # None: the default group (every rank of the worker is one tensor-parallel group).
+        self._device_group = device_group
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks in place; returns the tensor."""
+        if self.size > 1:
+            dist.all_reduce(tensor, group=self._device_group)
+        return tensor
+
+    def all_gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's tensor along the last dim, in rank order."""
+        if self.size == 1:
+            return tensor
+        tensor = tensor.contiguous()
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self._device_group)
+        return torch.cat(parts, dim=-1)
+
+
 SINGLE = TPGroup()
+ONE_RANK = RankGroup()
 
 
-def init_tp_group(backend: str, init: DistInit) -> TPGroup:
+@dataclass(frozen=True)
+class WorkerGroups:
+    """The groups one rank belongs to."""
+
+    ranks: RankGroup
+    tp: TPGroup
+
+
+def init_groups(backend: str, init: DistInit) -> WorkerGroups:
     """Join the process group (blocks until every rank arrives) and open the command channel."""
     if init.world_size == 1:
-        return SINGLE
+        return WorkerGroups(ONE_RANK, SINGLE)
     dist.init_process_group(
         backend=backend,
         init_method=init.init_method,
@@ -116,10 +137,10 @@ def init_tp_group(backend: str, init: DistInit) -> TPGroup:
         timeout=COLLECTIVE_TIMEOUT,
     )
     cpu_group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return TPGroup(init.rank, init.world_size, cpu_group)
+    return WorkerGroups(RankGroup(init.rank, init.world_size, cpu_group), TPGroup(init.rank, init.world_size))
 
 
-def destroy_tp_group(group: TPGroup) -> None:
+def destroy_groups(ranks: RankGroup) -> None:
     """Leave the process group, if one was joined."""
-    if group.size > 1 and dist.is_initialized():
+    if ranks.size > 1 and dist.is_initialized():
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.common.speculation import MAX_DRAFT_TOKENS, accepted_length, can_speculate
 from services.common.tracing import trace_id_of
 from services.worker.attach import StepRejected
-from services.worker.distributed import SINGLE, DistInit, init_tp_group
+from services.worker.distributed import ONE_RANK, SINGLE, DistInit, WorkerGroups, init_groups
 from services.worker.engine_config import EngineConfig
 from services.worker.grammar import GrammarCompileError, GrammarEngine, GrammarError
 from services.worker.input_batch import CachedRequest, InputBatch
@@ -118,7 +118,10 @@ class ModelRunner:
                 f"--max-model-len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}; lower --max-model-len"
             )
-        self.tp = init_tp_group(self.platform.dist_backend, dist_init) if dist_init is not None else SINGLE
+        groups = init_groups(self.platform.dist_backend, dist_init) if dist_init else WorkerGroups(ONE_RANK, SINGLE)
+        # Every rank of the worker (commands, agreement), and this rank's tensor-parallel collectives.
+        self.ranks = groups.ranks
+        self.tp = groups.tp
         self.max_model_len: int = max_model_len
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = config.served_model_name or source.name
@@ -204,18 +207,18 @@ class ModelRunner:
         if self.platform.name != "cpu":
             info = self.platform.memory_info()
             used = info.total_bytes - info.free_bytes
-        rows = self.tp.gather_ints([weights, self.kv_cache.nbytes, used])
+        rows = self.ranks.gather_ints([weights, self.kv_cache.nbytes, used])
         return [RankMemory(rank, *row) for rank, row in enumerate(rows)]
 
     def _grammar_engine(self, source: ModelSource, vocab_size: int) -> GrammarEngine | None:
-        if not self.tp.is_driver or not (source.directory / "tokenizer.json").is_file():
+        if not self.ranks.is_driver or not (source.directory / "tokenizer.json").is_file():
             return None
         return GrammarEngine(source.directory, vocab_size)
 
     def _match_grammar(self, cached: CachedRequest, output_token_ids: Sequence[int], traceparent: str) -> None:
         """Give a constrained request its matcher, replaying the tokens it already has (after a move or a
         preemption); a grammar that fails marks this request alone."""
-        if not self.tp.is_driver or not is_constrained(cached.sampling):
+        if not self.ranks.is_driver or not is_constrained(cached.sampling):
             return
         if self.grammar is None:
             cached.failure = ("sampling.grammar", "this worker's model has no tokenizer.json for structured outputs")
@@ -263,7 +266,7 @@ class ModelRunner:
             self.platform.ops.kv_layout,
             self.platform,
             save_queue_blocks=self.config.kv_save_queue_blocks,
-            rank=self.tp.rank,
+            rank=self.ranks.rank,
             security=self.config.kv_store_security,
         )
 
@@ -316,7 +319,7 @@ class ModelRunner:
             info = self.platform.memory_info()
             memory = DeviceMemory(info.total_bytes, free_at_start, weights_bytes, peak)
             budget = device_kv_budget(memory, self.config.gpu_memory_utilization)
-        num_blocks = self.tp.min_int(blocks_for_budget(budget, per_block))
+        num_blocks = self.ranks.min_int(blocks_for_budget(budget, per_block))
         check_fits_one_sequence(
             num_blocks,
             block_size=self.block_size,
@@ -346,7 +349,7 @@ class ModelRunner:
             self._loads_without_store.extend(load.load_id for load in step.kv_loads)
         for request_id in step.removed_request_ids:
             removed = self.batch.remove(request_id)
-            if removed is not None and self.tp.is_driver:
+            if removed is not None and self.ranks.is_driver:
                 self._left(removed, "removed")
         work = self._apply(step)
         result = worker_pb2.StepResult(step_id=step.step_id)
@@ -376,12 +379,12 @@ class ModelRunner:
         """
         finished = kv.finished()
         dropped = kv.take_dropped()
-        if self.tp.size == 1:
+        if self.ranks.size == 1:
             reported = finished
         else:
             owed = kv.num_unreported
             local = [n for _, n in finished] + [_LOAD_NOT_DONE] * (owed - len(finished))
-            agreed = self.tp.min_ints([*local, -dropped])
+            agreed = self.ranks.min_ints([*local, -dropped])
             dropped = -agreed[-1]
             count = next((i for i, n in enumerate(agreed[:owed]) if n == _LOAD_NOT_DONE), owed)
             reported = [(load_id, agreed[i]) for i, (load_id, _) in enumerate(finished[:count])]
@@ -414,7 +417,7 @@ class ModelRunner:
 
     def reset(self) -> None:
         """Forget every request and kvstore load (a new scheduler stream starts from nothing)."""
-        if self.tp.is_driver:
+        if self.ranks.is_driver:
             for request_id in self.batch.request_ids():
                 removed = self.batch.remove(request_id)
                 if removed is not None:
@@ -506,7 +509,7 @@ class ModelRunner:
             raise ValueError(f"step schedules {len(work)} requests > --max-num-seqs")
         for item in new:
             self.batch.add(item.request)
-        if self.tp.is_driver:
+        if self.ranks.is_driver:
             # One line per request that joins (never per step or token); `new` follows step.new_requests.
             for item, req in zip(new, step.new_requests, strict=True):
                 self._joined(item.request, req.traceparent)
@@ -586,7 +589,7 @@ class ModelRunner:
             return
         token_ids: list[int] | None = None
         extras: list[Sampled | None] = [None] * len(sample_rows)
-        if self.tp.is_driver:
+        if self.ranks.is_driver:
             rows = [item.request for item, n in sample_work for _ in range(n)]
             requests = [
                 SampleRequest(item.request.sampling_options, item.request.num_output_tokens + j, item.token_ids,
@@ -601,7 +604,7 @@ class ModelRunner:
                 sampled = self.sampler.sample(logits, requests, allowed)
             except Exception:
                 # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
-                self.tp.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows))
+                self.ranks.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows))
                 raise
             token_ids = [s.token_id for s in sampled]
             extras = list(sampled)
@@ -609,7 +612,7 @@ class ModelRunner:
                 # Constrained requests have no drafts: one row each.
                 self._advance_grammars(rows, token_ids)
         # Every rank appends the same tokens so their persistent batches stay identical.
-        token_ids = self.tp.broadcast_ints(token_ids, len(sample_rows))
+        token_ids = self.ranks.broadcast_ints(token_ids, len(sample_rows))
         if SAMPLING_FAILED in token_ids:
             raise RuntimeError("rank 0 failed to sample this step")
         first = 0

@@ -185,7 +185,7 @@ async def _serve_driver(
     stopping = threading.Event()
     executor: StepExecutor = runner
     driver = None
-    if runner.tp.size > 1:
+    if runner.ranks.size > 1:
         driver = TensorParallelDriver(runner, processes, stopping)
         executor = driver
         watch_ranks(processes, stopping)
@@ -288,7 +288,7 @@ async def _serve_follower(
     service: GrpcService, model_thread: ThreadPoolExecutor, runner: ModelRunner, processes: list[BaseProcess]
 ) -> int:
     """First rank of a non-zero node: follow rank 0's commands until it shuts the group down."""
-    from services.worker.distributed import destroy_tp_group
+    from services.worker.distributed import destroy_groups
     from services.worker.tp_ranks import serve_commands
 
     await service.set_serving(True)
@@ -303,6 +303,6 @@ async def _serve_follower(
         process.join(10)
     if not stopped.done():
         await service.server.stop(0)
-    destroy_tp_group(runner.tp)
+    destroy_groups(runner.ranks)
     model_thread.shutdown(wait=False)
     return code

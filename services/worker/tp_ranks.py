@@ -25,7 +25,7 @@ from services.common.logs import configure_logging
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.worker.attach import StepRejected
 from services.worker.cpu_binding import apply_binding, format_cpulist
-from services.worker.distributed import DistInit, destroy_tp_group
+from services.worker.distributed import DistInit, destroy_groups
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.startup_error import StartupError
@@ -67,15 +67,15 @@ def prepare_rank(config: EngineConfig, local_rank: int, ranks_per_node: int, cpu
 
 def send_command(runner: ModelRunner, command: Command, payload: bytes = b"") -> None:
     """Rank 0: tell every other rank what to do next."""
-    runner.tp.broadcast_ints([int(command), len(payload)], 2)
-    runner.tp.broadcast_bytes(payload, len(payload))
+    runner.ranks.broadcast_ints([int(command), len(payload)], 2)
+    runner.ranks.broadcast_bytes(payload, len(payload))
 
 
 def serve_commands(runner: ModelRunner) -> None:
     """A non-zero rank: run rank 0's commands until it says shut down (or the group breaks)."""
     while True:
-        kind, length = runner.tp.broadcast_ints(None, 2)
-        payload = runner.tp.broadcast_bytes(None, length)
+        kind, length = runner.ranks.broadcast_ints(None, 2)
+        payload = runner.ranks.broadcast_bytes(None, length)
         if kind == Command.SHUTDOWN:
             return
         if kind == Command.RESET:
@@ -121,7 +121,7 @@ def follower_main(spec: RankSpec) -> None:
         log.error("tensor_parallel_group_failed", error=str(err))
         sys.exit(1)
     finally:
-        destroy_tp_group(runner.tp)
+        destroy_groups(runner.ranks)
 
 
 def spawn_local_ranks(spec: RankSpec, first_rank: int) -> list[BaseProcess]:
@@ -191,4 +191,4 @@ class TensorParallelDriver:
             process.join(timeout)
             if process.is_alive():
                 process.kill()
-        destroy_tp_group(self.runner.tp)
+        destroy_groups(self.runner.ranks)
