@@ -72,7 +72,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="weight-only quantisation of every worker's linears (int8: half of bf16's bytes per decode step)",
     )
     parser.add_argument(
-        "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per worker"
+        "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per stage"
+    )
+    parser.add_argument(
+        "-pp",
+        "--pipeline-parallel-size",
+        dest="pipeline_parallel_size",
+        type=int,
+        default=None,
+        help="pipeline stages per worker (each a TP group)",
     )
     parser.add_argument("--block-size", type=int, default=None, help="tokens per KV block (worker default per device)")
     parser.add_argument("--seed", type=int, default=None, help="seed of unseeded sampling on every worker")
@@ -191,6 +199,7 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--precision", ns.precision),
         *_optional("--quantization", ns.quantization),
         *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
+        *_optional("--pipeline-parallel-size", ns.pipeline_parallel_size),
         *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),
         # The worker must be told too: it sizes its step buffers for them, and the scheduler plans within the
         # smaller of its own and the worker's (before, up's values reached only the scheduler).

@@ -1,4 +1,8 @@
-"""A worker's process groups: every rank together (rank 0's commands, agreement) and the tensor-parallel collectives."""
+"""A worker's process groups: every rank together (rank 0's commands, agreement), the tensor-parallel
+collectives of its pipeline stage, and the point-to-point hop between stages.
+
+Ranks are laid out stage-major, as vLLM's: rank = stage * tensor_parallel_size + tp_rank, so a stage's
+TP ranks are contiguous (one host's devices) and rank 0 (stage 0, TP rank 0) drives the worker."""
 
 from __future__ import annotations
 
@@ -113,8 +117,32 @@ class TPGroup:
         return torch.cat(parts, dim=-1)
 
 
+class PipelineChannel:
+    """This rank's hop to the same TP rank of the neighbouring stages, over the platform's backend."""
+
+    def __init__(self, rank: int = 0, tp_size: int = 1, stage: int = 0, num_stages: int = 1) -> None:
+        self.stage = stage
+        self.num_stages = num_stages
+        self._prev = rank - tp_size
+        self._next = rank + tp_size
+
+    def send_next(self, tensors: list[torch.Tensor]) -> None:
+        """Hand the step's activations to the next stage (blocks until it has taken them)."""
+        assert self.stage < self.num_stages - 1
+        for tensor in tensors:
+            dist.send(tensor.contiguous(), dst=self._next)
+
+    def recv_prev(self, buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Fill buffers (shapes and dtypes both sides know from the step) with the previous stage's activations."""
+        assert self.stage > 0
+        for buffer in buffers:
+            dist.recv(buffer, src=self._prev)
+        return buffers
+
+
 SINGLE = TPGroup()
 ONE_RANK = RankGroup()
+NO_PIPELINE = PipelineChannel()
 
 
 @dataclass(frozen=True)
@@ -123,12 +151,16 @@ class WorkerGroups:
 
     ranks: RankGroup
     tp: TPGroup
+    pipe: PipelineChannel = NO_PIPELINE
 
 
-def init_groups(backend: str, init: DistInit) -> WorkerGroups:
-    """Join the process group (blocks until every rank arrives) and open the command channel."""
+def init_groups(backend: str, init: DistInit, tensor_parallel_size: int) -> WorkerGroups:
+    """Join the process group (blocks until every rank arrives), open the command channel and, with pipeline
+    stages, each stage's tensor-parallel group."""
     if init.world_size == 1:
         return WorkerGroups(ONE_RANK, SINGLE)
+    if init.world_size % tensor_parallel_size:
+        raise ValueError(f"{init.world_size} ranks do not split into TP groups of {tensor_parallel_size}")
     dist.init_process_group(
         backend=backend,
         init_method=init.init_method,
@@ -137,7 +169,21 @@ def init_groups(backend: str, init: DistInit) -> WorkerGroups:
         timeout=COLLECTIVE_TIMEOUT,
     )
     cpu_group = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return WorkerGroups(RankGroup(init.rank, init.world_size, cpu_group), TPGroup(init.rank, init.world_size))
+    ranks = RankGroup(init.rank, init.world_size, cpu_group)
+    num_stages = init.world_size // tensor_parallel_size
+    stage, tp_rank = divmod(init.rank, tensor_parallel_size)
+    if num_stages == 1:
+        # The default group is the TP group (as before pipeline stages existed).
+        return WorkerGroups(ranks, TPGroup(init.rank, init.world_size))
+    device_group = None
+    # Every rank creates every stage's group, in the same order (torch.distributed requires it).
+    for other in range(num_stages):
+        members = list(range(other * tensor_parallel_size, (other + 1) * tensor_parallel_size))
+        group = dist.new_group(ranks=members, backend=backend) if tensor_parallel_size > 1 else None
+        if other == stage:
+            device_group = group
+    tp = TPGroup(tp_rank, tensor_parallel_size, device_group)
+    return WorkerGroups(ranks, tp, PipelineChannel(init.rank, tensor_parallel_size, stage, num_stages))
 
 
 def destroy_groups(ranks: RankGroup) -> None:

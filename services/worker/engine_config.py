@@ -32,6 +32,9 @@ class EngineConfig:
     # None: the platform's required block size, else DEFAULT_BLOCK_SIZE.
     block_size: int | None = None
     tensor_parallel_size: int = 1
+    # Pipeline stages (each a TP group of tensor_parallel_size ranks), and their layer counts (None: balanced).
+    pipeline_parallel_size: int = 1
+    pp_layer_partition: tuple[int, ...] | None = None
     # KV budget on the CPU (bytes); on devices the budget comes from gpu_memory_utilization.
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
@@ -71,6 +74,19 @@ class EngineConfig:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")
         if self.tensor_parallel_size < 1:
             raise ValueError(f"--tensor-parallel-size must be >= 1, got {self.tensor_parallel_size}")
+        if self.pipeline_parallel_size < 1:
+            raise ValueError(f"--pipeline-parallel-size must be >= 1, got {self.pipeline_parallel_size}")
+        if self.pp_layer_partition is not None and len(self.pp_layer_partition) != self.pipeline_parallel_size:
+            raise ValueError(
+                f"--pp-layer-partition names {len(self.pp_layer_partition)} stages but --pipeline-parallel-size is "
+                f"{self.pipeline_parallel_size}; give one layer count per stage"
+            )
+        if self.pipeline_parallel_size > 1 and self.kv_store_address is not None:
+            # The store's block layout splits a block by KV heads only; a stage's layers are not one byte range.
+            raise ValueError(
+                "--kv-store does not work with --pipeline-parallel-size > 1 yet (a stage holds only some layers of "
+                "each block); leave --kv-store unset or use --pipeline-parallel-size 1"
+            )
         if self.kv_cache_memory_bytes < 1:
             raise ValueError(f"--kv-cache-memory must be > 0 bytes, got {self.kv_cache_memory_bytes}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

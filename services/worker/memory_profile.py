@@ -33,7 +33,7 @@ def profile_peak_memory(runner: ModelRunner, arch: LlamaArch) -> int:
     blocks_each = [-(-n // bs) for n in lengths]
     scratch = KVCache.allocate(
         num_blocks=sum(blocks_each),
-        num_layers=arch.num_layers,
+        num_layers=runner.stage.num_layers,
         block_size=bs,
         num_kv_heads=runner.model.num_kv_heads,
         head_dim=arch.head_dim,

@@ -29,6 +29,7 @@ from services.worker.layers.attention import AttentionMetadata
 from services.worker.layers.linear import pack_linears, quantize_matmuls, release_quantized_weights
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
+from services.worker.pipeline_partition import StageLayers, partition_layers
 from services.worker.platforms import Platform, get_platform
 from services.worker.sampler import Sampled, Sampler, SampleRequest
 from services.worker.startup_error import StartupError
@@ -99,6 +100,7 @@ class ModelRunner:
         self, config: EngineConfig, dist_init: DistInit | None = None, platform: Platform | None = None
     ) -> None:
         self.config = config
+        self._dist_init = dist_init
         local_rank = dist_init.local_rank if dist_init is not None else 0
         self.platform = platform or get_platform(config.device, local_rank, config.cpu_kernels)
         # Before anything is allocated on the device (HCCL/NCCL bind to the current device too).
@@ -118,10 +120,20 @@ class ModelRunner:
                 f"--max-model-len={max_model_len} exceeds the model's max_position_embeddings="
                 f"{arch.max_position_embeddings}; lower --max-model-len"
             )
-        groups = init_groups(self.platform.dist_backend, dist_init) if dist_init else WorkerGroups(ONE_RANK, SINGLE)
-        # Every rank of the worker (commands, agreement), and this rank's tensor-parallel collectives.
+        self.stage = self._stage(arch)
+        groups = (
+            init_groups(self.platform.dist_backend, dist_init, config.tensor_parallel_size)
+            if dist_init
+            else WorkerGroups(ONE_RANK, SINGLE)
+        )
+        # Every rank of the worker (commands, agreement), this rank's tensor-parallel collectives, its stage's hop.
         self.ranks = groups.ranks
         self.tp = groups.tp
+        self.pipe = groups.pipe
+        # The last stage's first TP rank samples (it alone has the logits' stage), holding the sampler's state
+        # and the grammar matchers; rank 0 when the worker has one stage.
+        self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
+        self.samples = self.ranks.rank == self.sampling_rank
         self.max_model_len: int = max_model_len
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = config.served_model_name or source.name
@@ -133,7 +145,7 @@ class ModelRunner:
         # Rank 0 only (it alone logs per request): each held request's trace id, for its lines after it joined.
         self._trace_ids: dict[str, str | None] = {}
         self.sampler = Sampler(config.seed)
-        # Rank 0 samples, so it alone holds grammar matchers; None when the model has no tokenizer.json. Built
+        # The sampling rank alone holds grammar matchers; None when the model has no tokenizer.json. Built
         # here (~0.5 s for the token trie), not on the first constrained request: that would stall its whole step.
         self.grammar: GrammarEngine | None = self._grammar_engine(source, arch.vocab_size)
         # Without a kvstore, loads a scheduler sends anyway are answered as done with nothing loaded, in the
@@ -146,7 +158,7 @@ class ModelRunner:
             self.num_blocks: int = self._size_kv_cache(arch, free_at_start)
             self.kv_cache = KVCache.allocate(
                 num_blocks=self.num_blocks,
-                num_layers=arch.num_layers,
+                num_layers=self.stage.num_layers,
                 block_size=self.block_size,
                 num_kv_heads=self.model.num_kv_heads,
                 head_dim=arch.head_dim,
@@ -175,6 +187,8 @@ class ModelRunner:
             device=str(self.device),
             tp_rank=self.tp.rank,
             tp_size=self.tp.size,
+            pp_stage=self.stage.index,
+            layers=f"{self.stage.start}-{self.stage.end - 1}",
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
@@ -191,6 +205,24 @@ class ModelRunner:
     def num_blocks_held(self) -> int:
         """Distinct KV blocks the batch's requests hold."""
         return self.batch.num_blocks_held
+
+    def _stage(self, arch: LlamaArch) -> StageLayers:
+        """The decoder layers this rank's pipeline stage runs (all of them without pipeline parallelism)."""
+        pp, tp = self.config.pipeline_parallel_size, self.config.tensor_parallel_size
+        rank = 0 if self._dist_init is None else self._dist_init.rank
+        try:
+            stages = partition_layers(
+                arch.num_layers,
+                pp,
+                layer_params=arch.layer_params,
+                embed_params=arch.embedding_params,
+                # The final norm's weights are a rounding error beside the head's.
+                head_params=arch.embedding_params,
+                override=self.config.pp_layer_partition,
+            )
+        except ValueError as err:
+            raise StartupError(str(err)) from err
+        return stages[rank // tp]
 
     def _weights_bytes(self) -> int:
         plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -211,14 +243,14 @@ class ModelRunner:
         return [RankMemory(rank, *row) for rank, row in enumerate(rows)]
 
     def _grammar_engine(self, source: ModelSource, vocab_size: int) -> GrammarEngine | None:
-        if not self.ranks.is_driver or not (source.directory / "tokenizer.json").is_file():
+        if not self.samples or not (source.directory / "tokenizer.json").is_file():
             return None
         return GrammarEngine(source.directory, vocab_size)
 
     def _match_grammar(self, cached: CachedRequest, output_token_ids: Sequence[int], traceparent: str) -> None:
         """Give a constrained request its matcher, replaying the tokens it already has (after a move or a
         preemption); a grammar that fails marks this request alone."""
-        if not self.ranks.is_driver or not is_constrained(cached.sampling):
+        if not self.samples or not is_constrained(cached.sampling):
             return
         if self.grammar is None:
             cached.failure = ("sampling.grammar", "this worker's model has no tokenizer.json for structured outputs")
@@ -251,7 +283,7 @@ class ModelRunner:
         split = HeadSplit.for_rank(arch, self.tp)
         geometry = SliceGeometry(
             num_kv_heads=arch.num_kv_heads,
-            num_layers=arch.num_layers,
+            num_layers=self.stage.num_layers,
             block_size=self.block_size,
             head_dim=arch.head_dim,
             dtype=self.precision.kv_dtype,
@@ -273,7 +305,7 @@ class ModelRunner:
     def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:
         """Build this rank's shard on the meta device, materialise it in the weights dtype, load it."""
         with torch.device("meta"):
-            model = LlamaForCausalLM(hf_config, self.platform.ops, max_model_len, self.precision, self.tp)
+            model = LlamaForCausalLM(hf_config, self.platform.ops, max_model_len, self.precision, self.tp, self.stage)
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
@@ -305,7 +337,7 @@ class ModelRunner:
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
         """Profile the largest step, then turn the memory budget into a block count all ranks share."""
         per_block = bytes_per_block(
-            num_layers=arch.num_layers,
+            num_layers=self.stage.num_layers,
             block_size=self.block_size,
             num_kv_heads=self.model.num_kv_heads,
             head_dim=arch.head_dim,
@@ -585,11 +617,12 @@ class ModelRunner:
         logits = self.forward(spans, sample_rows)
         for item in work:
             item.request.num_computed_tokens += item.num_scheduled
-        if logits is None:
+        if not sample_rows:
             return
         token_ids: list[int] | None = None
         extras: list[Sampled | None] = [None] * len(sample_rows)
-        if self.ranks.is_driver:
+        if self.samples:
+            assert logits is not None
             rows = [item.request for item, n in sample_work for _ in range(n)]
             requests = [
                 SampleRequest(item.request.sampling_options, item.request.num_output_tokens + j, item.token_ids,
@@ -604,7 +637,7 @@ class ModelRunner:
                 sampled = self.sampler.sample(logits, requests, allowed)
             except Exception:
                 # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
-                self.ranks.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows))
+                self.ranks.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows), self.sampling_rank)
                 raise
             token_ids = [s.token_id for s in sampled]
             extras = list(sampled)
@@ -612,9 +645,10 @@ class ModelRunner:
                 # Constrained requests have no drafts: one row each.
                 self._advance_grammars(rows, token_ids)
         # Every rank appends the same tokens so their persistent batches stay identical.
-        token_ids = self.ranks.broadcast_ints(token_ids, len(sample_rows))
+        token_ids = self.ranks.broadcast_ints(token_ids, len(sample_rows), self.sampling_rank)
         if SAMPLING_FAILED in token_ids:
-            raise RuntimeError("rank 0 failed to sample this step")
+            raise RuntimeError(f"rank {self.sampling_rank} failed to sample this step")
+        sampled_tokens = result if self.samples else worker_pb2.StepResult()
         first = 0
         for item, n in sample_work:
             row_tokens, row_extras = token_ids[first : first + n], extras[first : first + n]
@@ -626,7 +660,18 @@ class ModelRunner:
                 # KV holds the known tokens and the drafts kept; the last token is computed by the next step.
                 request.num_computed_tokens = request.num_tokens - 1
             for token_id, extra in zip(row_tokens[:kept], row_extras[:kept], strict=True):
-                result.sampled.append(self._sampled_token(request, token_id, extra))
+                sampled_tokens.sampled.append(self._sampled_token(request, token_id, extra))
+        if self.sampling_rank != 0:
+            self._pass_sampled_to_driver(sampled_tokens, result)
+
+    def _pass_sampled_to_driver(self, sampled: worker_pb2.StepResult, result: worker_pb2.StepResult) -> None:
+        """The sampling rank (last stage) sends rank 0 what it reports upstream: each token with its logprobs
+        and any request's failure, which only the sampling rank knows."""
+        payload = sampled.SerializeToString() if self.samples else None
+        (length,) = self.ranks.broadcast_ints([len(payload)] if payload is not None else None, 1, self.sampling_rank)
+        payload = self.ranks.broadcast_bytes(payload, length, self.sampling_rank)
+        if self.ranks.is_driver:
+            result.sampled.extend(worker_pb2.StepResult.FromString(payload).sampled)
 
     @staticmethod
     def _sampled_token(request: CachedRequest, token_id: int, extra: Sampled | None) -> worker_pb2.SampledToken:
@@ -657,6 +702,14 @@ class ModelRunner:
                 request.failure = ("", f"the sampled token broke the grammar: {err}")
                 request.grammar = None
                 self._grammar_failed(request, self._trace_ids.get(request.request_id))
+
+    def _receive_activations(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The previous stage's hidden states (compute dtype) and residual (accumulation dtype) for num_tokens."""
+        shape = (num_tokens, self.model.arch.hidden_size)
+        hidden = torch.empty(shape, dtype=self.precision.compute, device=self.device)
+        residual = torch.empty(shape, dtype=self.precision.accum, device=self.device)
+        self.pipe.recv_prev([hidden, residual])
+        return hidden, residual
 
     def forward(
         self,
@@ -695,13 +748,20 @@ class ModelRunner:
         )
         backend = self.platform.matmul_backend
         with torch.inference_mode():
+            carried = None if self.stage.is_first else self._receive_activations(len(input_ids))
             with backend(len(input_ids)):
-                hidden = self.model(
+                hidden, residual = self.model(
                     torch.tensor(input_ids, dtype=torch.int64, device=device),
                     torch.tensor(positions, dtype=torch.int64, device=device),
                     self.kv_cache.layers if kv_layers is None else kv_layers,
                     meta,
+                    carried,
                 )
+            if residual is not None:
+                # Only the hidden states and residual of the step's tokens travel; the next stage builds the
+                # same metadata from the same step.
+                self.pipe.send_next([hidden.to(self.precision.compute), residual.to(self.precision.accum)])
+                return None
             if not sample_rows:
                 return None
             with backend(len(sample_rows)):

@@ -51,6 +51,8 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         device=device,
         block_size=settings.block_size,
         tensor_parallel_size=settings.tensor_parallel_size,
+        pipeline_parallel_size=settings.pipeline_parallel_size,
+        pp_layer_partition=settings.layer_partition,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len,
@@ -96,10 +98,8 @@ async def serve(settings: WorkerSettings) -> int:
     first_rank = settings.node_rank * settings.ranks_per_node
     dist = None
     processes: list[BaseProcess] = []
-    if settings.tensor_parallel_size > 1:
-        dist = DistInit(
-            rank=first_rank, world_size=settings.tensor_parallel_size, local_rank=0, init_method=rendezvous(settings)
-        )
+    if settings.world_size > 1:
+        dist = DistInit(rank=first_rank, world_size=settings.world_size, local_rank=0, init_method=rendezvous(settings))
         spec = RankSpec(config, dist, settings.ranks_per_node, settings.cpu_binding, settings.log_level,
                         settings.log_format)  # fmt: skip
         processes = spawn_local_ranks(spec, first_rank)

@@ -15,6 +15,19 @@ DEFAULT_PORT = 50053
 DEFAULT_KV_SAVE_QUEUE_BLOCKS = 256
 
 
+def parse_layer_partition(value: str) -> tuple[int, ...]:
+    """--pp-layer-partition "16,14" as (16, 14); ValueError naming the flag otherwise."""
+    try:
+        counts = tuple(int(part) for part in value.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--pp-layer-partition must be comma-separated layer counts like 16,14, got {value!r}"
+        ) from None
+    if min(counts) < 1:
+        raise ValueError(f"--pp-layer-partition {value}: every stage needs at least one layer")
+    return counts
+
+
 class WorkerSettings(ServiceSettings):
     """Model, device and KV-cache settings of one worker (one tensor-parallel group)."""
 
@@ -37,11 +50,22 @@ class WorkerSettings(ServiceSettings):
     block_size: int | None = Field(
         None, description="tokens per KV block (unset: 128 on npu, 16 elsewhere)", ge=1, le=1024
     )
-    tensor_parallel_size: int = Field(1, description="ranks the model is split over (one device each)", ge=1)
+    tensor_parallel_size: int = Field(
+        1, description="ranks each pipeline stage's layers are split over (one device each)", ge=1
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        description="pipeline stages the layers are split into, contiguous and balanced by parameters (each a TP "
+        "group of --tensor-parallel-size ranks)",
+        ge=1,
+    )
+    pp_layer_partition: str | None = Field(
+        None, description="decoder layers of each pipeline stage, comma-separated, e.g. 16,14 (unset: balanced)"
+    )
     dist_init_addr: str | None = Field(
         None, description="host:port of rank 0's rendezvous for tensor parallelism across hosts (unset: local)"
     )
-    nnodes: int = Field(1, description="hosts the tensor-parallel group spans", ge=1)
+    nnodes: int = Field(1, description="hosts the worker's ranks span (tensor x pipeline parallel)", ge=1)
     node_rank: int = Field(0, description="this host's index among --nnodes (0 attaches to the scheduler)", ge=0)
     cpu_kernels: Literal["auto", "native", "reference"] = Field(
         "auto",
@@ -110,11 +134,19 @@ class WorkerSettings(ServiceSettings):
         parse_precision(value, platform_default="fp32-fp32-fp32")
         return value
 
+    @field_validator("pp_layer_partition")
+    @classmethod
+    def _valid_partition(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_layer_partition(value)
+        return value
+
     @model_validator(mode="after")
     def _valid_topology(self) -> WorkerSettings:
-        if self.tensor_parallel_size % self.nnodes:
+        if self.world_size % self.nnodes:
             raise ValueError(
-                f"--tensor-parallel-size {self.tensor_parallel_size} must be a multiple of --nnodes {self.nnodes}"
+                f"--tensor-parallel-size {self.tensor_parallel_size} x --pipeline-parallel-size "
+                f"{self.pipeline_parallel_size} = {self.world_size} ranks must be a multiple of --nnodes {self.nnodes}"
             )
         if self.node_rank >= self.nnodes:
             raise ValueError(f"--node-rank {self.node_rank} must be < --nnodes {self.nnodes}")
@@ -123,9 +155,19 @@ class WorkerSettings(ServiceSettings):
         return self
 
     @property
+    def world_size(self) -> int:
+        """Ranks of the worker: every pipeline stage's tensor-parallel group."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
     def ranks_per_node(self) -> int:
         """Ranks (devices) this host runs."""
-        return self.tensor_parallel_size // self.nnodes
+        return self.world_size // self.nnodes
+
+    @property
+    def layer_partition(self) -> tuple[int, ...] | None:
+        """--pp-layer-partition as layer counts."""
+        return None if self.pp_layer_partition is None else parse_layer_partition(self.pp_layer_partition)
 
     @property
     def kv_cache_memory_bytes(self) -> int:

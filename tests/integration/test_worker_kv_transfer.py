@@ -569,7 +569,7 @@ def test_tp_ranks_report_loads_done_on_all_of_them_with_the_fewest_blocks() -> N
     # Rank 0 finished loads 7 (3 blocks) and 8 (2); rank 1 finished 7 with 1 block and not 8; 9 is done nowhere.
     # Rank 1's vector: [1, not done, not done, -drops].
     here = _FakeLoads([(7, 3), (8, 2)], owed=3, dropped=1)
-    runner = SimpleNamespace(tp=_TwoRanks([1, -1, -1, -4]))
+    runner = SimpleNamespace(ranks=_TwoRanks([1, -1, -1, -4]))
     result = worker_pb2.StepResult()
     ModelRunner._report_kv(runner, here, result)  # type: ignore[arg-type]
     assert [(d.load_id, d.num_loaded) for d in result.kv_loads_done] == [(7, 1)]

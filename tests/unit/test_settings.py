@@ -57,10 +57,25 @@ def test_worker_parallel_and_precision_flags() -> None:
     assert (settings.precision, settings.cpu_binding, settings.gpu_memory_utilization) == ("bf16-fp16-fp32", "off", 0.8)
 
 
+def test_pipeline_stages_multiply_the_ranks_hosts_share() -> None:
+    settings = _parse(
+        WorkerSettings,
+        ["--tensor-parallel-size", "2", "--pipeline-parallel-size", "3", "--nnodes", "3", "--dist-init-addr", "h:1",
+         "--pp-layer-partition", "10, 10,12"],
+    )  # fmt: skip
+    assert (settings.world_size, settings.ranks_per_node, settings.layer_partition) == (6, 2, (10, 10, 12))
+    assert _parse(WorkerSettings, []).layer_partition is None
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--tensor-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"], "multiple of --nnodes 2"),
+        (["--pipeline-parallel-size", "3", "--nnodes", "2", "--dist-init-addr", "h:1"],
+         "--pipeline-parallel-size 3 = 3 ranks must be a multiple of --nnodes 2"),
+        (["--pipeline-parallel-size", "0"], "pipeline_parallel_size"),
+        (["--pp-layer-partition", "8,x"], "--pp-layer-partition must be comma-separated layer counts"),
+        (["--pp-layer-partition", "8,0"], "every stage needs at least one layer"),
         (["--nnodes", "2", "--node-rank", "2", "--tensor-parallel-size", "2", "--dist-init-addr", "h:1"],
          "--node-rank 2 must be < --nnodes 2"),
         (["--nnodes", "2", "--tensor-parallel-size", "2"], "--nnodes > 1 needs --dist-init-addr"),

@@ -20,6 +20,7 @@ from services.worker.layers.linear import (
     balanced_shard,
 )
 from services.worker.layers.rotary import RotaryTable, inv_freq_for_config
+from services.worker.pipeline_partition import StageLayers, whole_model
 from services.worker.platforms.base import Ops
 from services.worker.precision import Precision
 
@@ -82,6 +83,22 @@ class LlamaArch:
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             max_position_embeddings=int(getattr(config, "max_position_embeddings", 2048)),
         )
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer (what pipeline stages are balanced by)."""
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        attention = self.hidden_size * (q + 2 * kv) + q * self.hidden_size
+        attention += (q + 2 * kv) * self.qkv_bias + self.hidden_size * self.o_bias
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        mlp += (2 * self.intermediate_size + self.hidden_size) * self.mlp_bias
+        return attention + mlp + 2 * self.hidden_size
+
+    @property
+    def embedding_params(self) -> int:
+        """Parameters of the token embedding; the LM head has as many (a copy of them, when tied, on a last
+        stage that is not the first)."""
+        return self.vocab_size * self.hidden_size
 
 
 @dataclass(frozen=True)
@@ -226,17 +243,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers and final norm."""
+    """Embedding (first stage), this stage's decoder layers and final norm (last stage)."""
 
-    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup) -> None:
+    def __init__(self, arch: LlamaArch, ops: Ops, precision: Precision, tp: TPGroup, stage: StageLayers) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, ops, precision, tp) for _ in range(arch.num_layers)])
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size, tp) if stage.is_first else None
+        # Keyed by the layer's index in the whole model, so checkpoint names (model.layers.N.) map unchanged.
+        self.layers = nn.ModuleDict(
+            {str(i): LlamaDecoderLayer(arch, ops, precision, tp) for i in range(stage.start, stage.end)}
+        )
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision) if stage.is_last else None
 
 
 class LlamaForCausalLM(nn.Module):
-    """Decoder plus LM head (this rank's shard); forward returns hidden states, compute_logits full-vocab logits."""
+    """Decoder plus LM head (this rank's shard of its pipeline stage); forward returns hidden states,
+    compute_logits full-vocab logits (last stage)."""
 
     # HF checkpoint name fragment -> (our fused module fragment, part index).
     _STACKED = {
@@ -254,15 +275,18 @@ class LlamaForCausalLM(nn.Module):
         max_positions: int,
         precision: Precision,
         tp: TPGroup = SINGLE,
+        stage: StageLayers | None = None,
     ) -> None:
         super().__init__()
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.precision = precision
+        self.stage = stage or whole_model(self.arch.num_layers)
         # This rank's share of KV heads: what its KV cache holds.
         self.num_kv_heads = HeadSplit.for_rank(self.arch, tp).num_kv_heads
-        self.model = LlamaModel(self.arch, ops, precision, tp)
+        self.model = LlamaModel(self.arch, ops, precision, tp, self.stage)
         self.lm_head: VocabParallelEmbedding | None = None
-        if not self.arch.tie_word_embeddings:
+        # Tied weights share the embedding, unless the head lives on a later stage than it: then a copy.
+        if self.stage.is_last and not (self.arch.tie_word_embeddings and self.stage.is_first):
             self.lm_head = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size, tp)
         inv_freq, scaling = inv_freq_for_config(hf_config, self.arch.head_dim)
         self.rotary = RotaryTable(inv_freq, max_positions, scaling)
@@ -278,66 +302,100 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: KVCaches,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        """Run the flat batch input_ids/positions [T]; returns final-normed hidden states [T, hidden]."""
+        carried: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Run this stage's layers over the flat batch input_ids/positions [T].
+
+        The first stage embeds input_ids; a later one continues from `carried`, the previous stage's
+        (hidden, residual). The last stage returns final-normed hidden states [T, hidden] and None; any other
+        returns its (hidden, residual) for the next stage."""
         cos, sin = self.rotary.lookup(positions)
-        hidden = self.model.embed_tokens(input_ids)
         residual: torch.Tensor | None = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        if self.model.embed_tokens is not None:
+            hidden = self.model.embed_tokens(input_ids)
+        else:
+            assert carried is not None, "a stage after the first continues from the previous stage's activations"
+            hidden, residual = carried
+        for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        if self.model.norm is None:
+            assert residual is not None
+            return hidden, residual
         hidden, _ = self.model.norm(hidden, residual)
-        return hidden
+        return hidden, None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank."""
+        """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank of the last stage."""
         return self.head().logits(hidden, self.precision.compute)
 
     def head(self) -> VocabParallelEmbedding:
-        """The LM head: the embedding itself when the checkpoint ties them."""
-        return self.model.embed_tokens if self.lm_head is None else self.lm_head
+        """The LM head (last stage): the embedding itself when the checkpoint ties them and one stage holds both."""
+        head = self.model.embed_tokens if self.lm_head is None else self.lm_head
+        assert head is not None and self.stage.is_last, "only the last pipeline stage has the LM head"
+        return head
 
     def matmul_modules(self) -> list[MatmulModule]:
-        """Every module whose weight feeds a matmul: the linears and the LM head."""
+        """Every module whose weight feeds a matmul: the linears and (last stage) the LM head."""
         linears: list[MatmulModule] = [
             m for m in self.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
         ]
-        return [*linears, self.head()]
+        return [*linears, self.head()] if self.stage.is_last else linears
+
+    def _stage_targets(self, hf_name: str) -> list[str]:
+        """The names this stage loads a checkpoint tensor under: none when another stage holds it, two for a
+        tied embedding whose head copy lives here too."""
+        if hf_name.startswith("model.layers."):
+            index = int(hf_name.split(".", 3)[2])
+            return [hf_name] if self.stage.start <= index < self.stage.end else []
+        if hf_name.startswith("model.embed_tokens."):
+            names = [hf_name] if self.stage.is_first else []
+            if self.arch.tie_word_embeddings and self.lm_head is not None:
+                names.append(hf_name.replace("model.embed_tokens.", "lm_head."))
+            return names
+        if hf_name.startswith(("model.norm.", "lm_head.")):
+            return [hf_name] if self.stage.is_last else []
+        return [hf_name]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's slice of HF-named tensors into our (fused, sharded) parameters; raise on gaps."""
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str, int]] = set()
-        for hf_name, tensor in weights:
-            if "rotary_emb.inv_freq" in hf_name:
+        for checkpoint_name, tensor in weights:
+            if "rotary_emb.inv_freq" in checkpoint_name:
                 continue
-            if hf_name == "lm_head.weight" and self.lm_head is None:
-                # Tied checkpoints sometimes still ship a copy of the embedding.
+            if checkpoint_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                # Tied checkpoints sometimes still ship a copy of the embedding; the embedding's is loaded.
                 continue
-            name, part = hf_name, 0
-            for fragment, (fused, index) in self._STACKED.items():
-                if fragment in hf_name:
-                    name, part = hf_name.replace(fragment, fused), index
-                    break
-            module_name, _, kind = name.rpartition(".")
-            module = modules.get(module_name)
-            if module is None or not hasattr(module, kind):
-                raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
-            try:
-                loader = getattr(module, "load", None)
-                if loader is not None:
-                    loader(kind, tensor, part)
-                else:
-                    param = getattr(module, kind)
-                    if tuple(param.shape) != tuple(tensor.shape):
-                        raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
-                    with torch.no_grad():
-                        param.copy_(tensor)
-            except ValueError as err:
-                raise ValueError(f"{hf_name}: {err}") from err
-            loaded.add((module_name, kind, part))
+            for hf_name in self._stage_targets(checkpoint_name):
+                loaded.add(self._load_one(modules, hf_name, tensor))
         absent = sorted(f"{m}.{k}#{p}" for m, k, p in self._expected_loads() if (m, k, p) not in loaded)
         if absent:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(absent[:8])}")
+
+    def _load_one(self, modules: dict[str, nn.Module], hf_name: str, tensor: torch.Tensor) -> tuple[str, str, int]:
+        """Copy one tensor into its parameter (or part of a fused one); returns what it filled."""
+        name, part = hf_name, 0
+        for fragment, (fused, index) in self._STACKED.items():
+            if fragment in hf_name:
+                name, part = hf_name.replace(fragment, fused), index
+                break
+        module_name, _, kind = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None or not hasattr(module, kind):
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+        try:
+            loader = getattr(module, "load", None)
+            if loader is not None:
+                loader(kind, tensor, part)
+            else:
+                param = getattr(module, kind)
+                if tuple(param.shape) != tuple(tensor.shape):
+                    raise ValueError(f"shape {tuple(tensor.shape)} != expected {tuple(param.shape)}")
+                with torch.no_grad():
+                    param.copy_(tensor)
+        except ValueError as err:
+            raise ValueError(f"{hf_name}: {err}") from err
+        return module_name, kind, part
 
     def _expected_loads(self) -> list[tuple[str, str, int]]:
         expected = []

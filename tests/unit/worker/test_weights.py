@@ -80,7 +80,7 @@ def test_load_weights_matches_checkpoint(tiny_dir: Path) -> None:
     model = _empty_model(source)
     model.load_weights(iter_weights(source))
     state = dict(iter_weights(source))
-    layer = cast(LlamaDecoderLayer, model.model.layers[0])
+    layer = cast(LlamaDecoderLayer, model.model.layers["0"])
     attn = layer.self_attn
     assert attn.qkv_proj.bias is not None
     _q, k, v = attn.qkv_proj.bias.split([attn.q_size, attn.kv_size, attn.kv_size])

@@ -1,0 +1,226 @@
+"""Pipeline parallelism through the real suite: the layers split into stages (gloo processes, point-to-point
+activations) must give plain greedy decoding's tokens, alone, beside TP, across two "nodes" and when a stage dies."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from services.client.client import GenerationClient, build_request, sampling_params
+from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
+from services.common.ports import free_port
+from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
+from services.gateway.tokenizer import TextTokenizer
+from tests.support.calls import Answer, greedy_token_answers, stream
+from tests.support.suite import start_suite
+from tests.support.tiny_model import make_tiny_model, transformers_greedy
+
+# Exact equality across layouts needs fp32 (a TP all-reduce sums in another order than one GEMM).
+FP32 = ["--precision", "fp32-fp32-fp32"]
+VOCAB = 512
+# One KV block of the tiny model on one stage: 2 of its 4 layers, 2 KV heads of 16, K and V, 16 tokens, fp32.
+STAGE_BLOCK_BYTES = 2 * 2 * 16 * 2 * 16 * 4
+
+
+def _prompts(n: int, seed: int, lo: int, hi: int, prefix: Sequence[int] = ()) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[*prefix, *(rng.randrange(10, VOCAB) for _ in range(rng.randint(lo, hi)))] for _ in range(n)]
+
+
+@pytest.fixture(scope="module")
+def four_layer_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Tied embeddings: the last stage holds its own copy of the embedding as the LM head."""
+    return make_tiny_model(tmp_path_factory.mktemp("four-layers"), num_layers=4, tie_word_embeddings=True)
+
+
+def _pp_args(pp: int, tp: int = 1, kv_cache_memory: str = "64MiB") -> list[str]:
+    return ["--device", "cpu", *FP32, "--kv-cache-memory", kv_cache_memory, "--max-model-len", "320",
+            "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]  # fmt: skip
+
+
+def test_pp2_matches_greedy_with_chunked_prefill_prefix_caching_and_preemption(
+    four_layer_model: Path, tmp_path: Path
+) -> None:
+    # 24 blocks per stage are far fewer than 8 requests of up to 150 tokens need at once: preemption; a
+    # 40-token common prefix: prefix-cache hits; steps of 48 tokens: prompts prefilled in chunks.
+    suite = start_suite(
+        four_layer_model,
+        tmp_path,
+        worker_args=_pp_args(2, kv_cache_memory=str(24 * STAGE_BLOCK_BYTES)),
+        scheduler_args=["--max-num-batched-tokens", "48"],
+    )
+    try:
+        prompts = _prompts(8, seed=3, lo=20, hi=70, prefix=list(range(100, 140)))
+        answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=40))
+        stats = asyncio.run(suite.wait_idle())
+        log = suite.workers[0].log_tail(400)
+    finally:
+        suite.stop()
+    assert stats.num_preemptions > 0, "the KV cache was not small enough to force preemption"
+    assert stats.prefix_cache_hits > 0, "no prompt reused the common prefix's blocks"
+    # Both stages loaded only their own layers.
+    assert '"layers": "0-1"' in log and '"layers": "2-3"' in log, log
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer.token_ids == transformers_greedy(four_layer_model, prompt, 40)
+
+
+def test_tp2_pp2_four_ranks_match_greedy(four_layer_model: Path, tmp_path: Path) -> None:
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 90)), [300, 301], list(range(100, 140))]
+    suite = start_suite(four_layer_model, tmp_path, worker_args=_pp_args(2, tp=2))
+    try:
+        answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=16))
+    finally:
+        suite.stop()
+    assert [a.token_ids for a in answers] == [transformers_greedy(four_layer_model, p, 16) for p in prompts]
+
+
+def test_uneven_partition_with_logprobs_and_a_grammar_sampled_on_the_last_stage(
+    four_layer_model: Path, tmp_path: Path
+) -> None:
+    # The sampling rank (the last stage) alone holds the logits and the grammar matchers; logprobs and the
+    # constrained request's tokens reach the client through rank 0.
+    suite = start_suite(four_layer_model, tmp_path, worker_args=[*_pp_args(2), "--pp-layer-partition", "3,1"])
+    prompt = list(range(30, 60))
+    pattern = r"[0-9]{3}-[0-9]{4}"
+    try:
+
+        async def run() -> tuple[Answer, generation_pb2.CompleteResponse]:
+            greedy = sampling_params(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=2)
+            constrained = sampling_params(max_tokens=40, temperature=1.0, seed=7)
+            constrained.grammar.regex = pattern
+            async with GenerationClient(suite.address) as client:
+                return await asyncio.gather(
+                    stream(client, build_request(token_ids=prompt, sampling=greedy)),
+                    client.complete(build_request(prompt="Phone:", sampling=constrained), timeout=300),
+                )
+
+        answer, phone = asyncio.run(run())
+        log = suite.workers[0].log_tail(400)
+    finally:
+        suite.stop()
+    token_ids, logprobs = answer.token_ids, answer.logprobs
+    assert token_ids == transformers_greedy(four_layer_model, prompt, 12)
+    assert phone.finish_reason == sampling_pb2.FINISH_REASON_STOP and re.fullmatch(pattern, phone.text), phone.text
+    assert len(logprobs) == 12 and all(lp <= 0.0 for lp in logprobs) and any(lp < 0.0 for lp in logprobs)
+    assert '"layers": "0-2"' in log and '"layers": "3-3"' in log, log
+
+
+def test_pp2_across_two_nodes_on_loopback(four_layer_model: Path, tmp_path: Path) -> None:
+    """--nnodes 2 with one rank each: node 0 runs stage 0 and attaches, node 1 (its own command) runs stage 1."""
+    prompts = [[5, 6, 7, 8, 9], list(range(20, 90))]
+    multi = [*_pp_args(2), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
+    launcher = Launcher(tmp_path, env={"MESHSERVE_LOG_FORMAT": "json"})
+    try:
+        procs = start_suite_processes(
+            launcher,
+            model=str(four_layer_model),
+            host="127.0.0.1",
+            scheduler_port=free_port(),
+            worker_ports=[free_port()],
+            gateway_port=free_port(),
+            worker_args=[*multi, "--node-rank", "0"],
+        )
+        node1_port = free_port()
+        node1 = launcher.start(
+            "worker-node1",
+            ["worker", "--host", "127.0.0.1", "--port", str(node1_port), "--model", str(four_layer_model),
+             *multi, "--node-rank", "1"],
+            f"127.0.0.1:{node1_port}",
+        )  # fmt: skip
+        asyncio.run(wait_all_healthy(launcher, [*procs.all, node1], 300))
+        answers = asyncio.run(greedy_token_answers(procs.gateway.address, prompts, 12))
+        assert [a.token_ids for a in answers] == [transformers_greedy(four_layer_model, p, 12) for p in prompts]
+        launcher.stop(procs.workers[0])
+        assert node1.process.wait(timeout=60) == 0, node1.log_tail()
+    finally:
+        launcher.stop_all(timeout=10)
+
+
+def test_a_killed_stage_rank_stops_its_worker_and_requests_finish_on_another(
+    four_layer_model: Path, tmp_path: Path
+) -> None:
+    suite = start_suite(four_layer_model, tmp_path, num_workers=2, worker_args=_pp_args(2))
+    prompts = _prompts(6, seed=11, lo=5, hi=40)
+    try:
+
+        async def run() -> list:
+            params = sampling_params(max_tokens=200, temperature=0.0, ignore_eos=True)
+            async with GenerationClient(suite.address) as client:
+                tasks = [
+                    asyncio.create_task(stream(client, build_request(token_ids=p, sampling=params))) for p in prompts
+                ]
+                await suite.wait_running("worker-0")
+                worker = suite.workers[0]
+                (stage1,) = _spawned_ranks(worker.process.pid)
+                os.kill(stage1, signal.SIGKILL)
+                # The worker must not hang in a pipeline hop: it exits for its supervisor to restart it.
+                assert await asyncio.to_thread(worker.process.wait, 60) == 1
+                return list(await asyncio.gather(*tasks))
+
+        answers = asyncio.run(run())
+        stats = asyncio.run(suite.wait_idle())
+        log = suite.workers[0].log_tail(200)
+    finally:
+        suite.stop()
+    assert "tensor_parallel_rank_died" in log
+    assert [w.worker_id for w in stats.workers] == ["worker-1"]
+    for prompt, answer in zip(prompts, answers, strict=True):
+        assert answer.finish_reason == sampling_pb2.FINISH_REASON_LENGTH
+        assert answer.token_ids == transformers_greedy(four_layer_model, prompt, 200)
+
+
+def _spawned_ranks(pid: int) -> list[int]:
+    """The worker's rank processes (multiprocessing's spawn_main; a resource tracker may be a child too)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def _worker_startup_error(model_dir: Path, *args: str) -> str:
+    """Run a worker that must refuse to start; returns its stderr."""
+    done = subprocess.run(
+        [sys.executable, "-m", "services.cli", "worker", "--model", str(model_dir), "--port", "0",
+         "--scheduler-address", "127.0.0.1:9", "--device", "cpu", *args],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 1, done.stderr
+    assert "Traceback" not in done.stderr
+    return done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--pipeline-parallel-size", "5"], "--pipeline-parallel-size 5 exceeds the model's num_hidden_layers=4"),
+        (["--pipeline-parallel-size", "2", "--pp-layer-partition", "2,1"], "sums to 3 layers but the model has"),
+        (["--pipeline-parallel-size", "2", "--pp-layer-partition", "4"], "names 1 stages but --pipeline-parallel"),
+        (["--pipeline-parallel-size", "2", "--kv-store", "127.0.0.1:9"], "--kv-store does not work with"),
+    ],
+)
+def test_a_pipeline_that_cannot_split_the_model_is_refused(
+    four_layer_model: Path, args: list[str], message: str
+) -> None:
+    assert message in _worker_startup_error(four_layer_model, *args)
+
+
+@pytest.mark.slow
+def test_pp2_matches_pp1_on_smollm2(smollm2_dir: Path, tmp_path: Path) -> None:
+    tokenizer = TextTokenizer.from_dir(smollm2_dir)
+    questions = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+    prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
+    answers = {}
+    for pp in (1, 2):
+        suite = start_suite(smollm2_dir, tmp_path / f"pp{pp}", worker_args=_pp_args(pp, kv_cache_memory="256MiB"))
+        try:
+            answers[pp] = [a.token_ids for a in asyncio.run(greedy_token_answers(suite.address, prompts, 24))]
+        finally:
+            suite.stop()
+    assert answers[2] == answers[1]
