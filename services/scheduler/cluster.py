@@ -21,7 +21,7 @@ from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.common.sampling_checks import InvalidField
 from services.common.tracing import Tracing
 from services.scheduler.admission import ModelLimits, admit
-from services.scheduler.engine import WorkerLoop, WorkerState
+from services.scheduler.engine import MAX_STEP_SLOTS, WorkerLoop, WorkerState
 from services.scheduler.kv_lookup import KVStoreLookup
 from services.scheduler.metrics import SchedulerMetrics, WorkerMetrics
 from services.scheduler.outputs import OutputProcessor
@@ -109,6 +109,9 @@ class Cluster:
         for name in ("block_size", "num_blocks", "max_model_len", "vocab_size"):
             if getattr(hello, name) <= 0:
                 raise InvalidField(name, "must be > 0")
+        if hello.step_slots > MAX_STEP_SLOTS:
+            # Each slot is a step the scheduler keeps in flight (and remembers) for this worker.
+            raise InvalidField("step_slots", f"{hello.step_slots} exceeds {MAX_STEP_SLOTS} (one per pipeline stage)")
         identities = {w.hello.model_identity for w in self.workers.values()}
         if identities and hello.model_identity not in identities:
             raise InvalidField(

@@ -19,6 +19,9 @@ from services.scheduler.speculation import SpeculativeConfig
 from services.scheduler.waiting_queue import WaitingQueue
 from services.scheduler.worker_scheduler import KVStoreUse, PlannerListener, RequestOutput, WorkerScheduler
 
+# Most steps one worker may ask to have in flight (WorkerHello.step_slots: one per pipeline stage).
+MAX_STEP_SLOTS = 64
+
 
 class WorkerState(enum.Enum):
     """Where a worker is in its life; one field instead of flags."""
@@ -92,8 +95,10 @@ class WorkerLoop:
             kv_store=kv_store,
             long_prefill_token_threshold=long_prefill_token_threshold,
             speculation=speculation,
+            micro_batched=hello.step_slots > 1,
         )
-        return cls(hello=hello, planner=planner, depth=depth)
+        # A pipelined worker runs one step per stage at once: keep every stage busy.
+        return cls(hello=hello, planner=planner, depth=max(depth, hello.step_slots))
 
     @property
     def worker_id(self) -> str:

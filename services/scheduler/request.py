@@ -84,6 +84,9 @@ class Request:
         # Draft tokens the step in flight verifies for it (speculative decoding): that step gains up to this
         # many tokens more than its pending sample, and num_computed_tokens counts none of them until it answers.
         self.num_draft_tokens_in_flight = 0
+        # The step in flight that computes for it, 0 for none: a pipeline-parallel worker's micro-batches hold
+        # disjoint requests, so such a request waits for that step's answer before it is planned again.
+        self.in_flight_step = 0
         # Whether its sampling lets drafts be verified exactly (decided once: sampling never changes).
         self.speculable = can_speculate(sampling)
         # Prefix-cache hits when the request was first admitted.

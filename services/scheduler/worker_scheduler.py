@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -140,6 +141,7 @@ class WorkerScheduler:
         kv_store: KVStoreUse | None = None,
         long_prefill_token_threshold: int = 0,
         speculation: SpeculativeConfig | None = None,
+        micro_batched: bool = False,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -153,6 +155,9 @@ class WorkerScheduler:
         self.listener = listener
         self.kv_store = kv_store
         self.speculation = speculation
+        # Steps in flight are micro-batches of disjoint requests (a pipeline-parallel worker runs one per stage
+        # at once, and a request's next step needs the token its last one samples on the last stage).
+        self.micro_batched = micro_batched
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
         # Admission order: the last one is the newest and the first to be preempted.
         self.running: list[Request] = []
@@ -221,9 +226,10 @@ class WorkerScheduler:
                 num_new <= 0
                 or request.num_draft_tokens_in_flight
                 or request.num_output_tokens + request.num_pending_samples >= request.max_tokens
+                or (self.micro_batched and request.in_flight_step)
             ):
-                # Nothing to compute yet, its tokens wait on a verification in flight, or the token in flight
-                # is its last one.
+                # Nothing to compute yet, its tokens wait on a verification in flight, the token in flight
+                # is its last one, or another micro-batch in flight holds it.
                 i += 1
                 continue
             drafts = self._propose(request, budget) if speculating else []
@@ -317,7 +323,7 @@ class WorkerScheduler:
             step.kv_loads.extend(self._pending_loads)
             self._pending_loads = []
         self._pending_removals = []
-        self._commit(planned_running + planned_new)
+        self._commit(planned_running + planned_new, step.step_id)
         return step
 
     def _speculating(self) -> bool:
@@ -432,10 +438,11 @@ class WorkerScheduler:
             self.kv_store_resumed += 1
         self._loaded.append(request)
 
-    def _commit(self, planned: list[_Planned]) -> None:
+    def _commit(self, planned: list[_Planned], step_id: int) -> None:
         """Book a planned step's progress now, before it answers, so the next step can be planned on top."""
         for p in planned:
             request = p.request
+            request.in_flight_step = step_id
             if p.draft_token_ids:
                 # Only the known tokens count as computed: update() adds the drafts the worker keeps.
                 request.num_computed_tokens = p.num_computed + p.num_scheduled - len(p.draft_token_ids)
@@ -459,6 +466,7 @@ class WorkerScheduler:
         request.num_computed_tokens = 0
         request.num_pending_samples = 0
         request.num_draft_tokens_in_flight = 0
+        request.in_flight_step = 0
 
     def _chunk(self, num_left: int, budget: int) -> int:
         """Tokens of a request to compute in this step: what is left, within the step's budget and, as in
@@ -522,6 +530,7 @@ class WorkerScheduler:
         for done in result.kv_loads_done:
             self._finish_load(done)
         self.kv_store_saves_dropped += result.kv_saves_dropped
+        self._step_answered(step)
         if result.error:
             return self.fail_step(step, result.error)
         self._inflight_cached.pop(step.step_id, None)
@@ -581,6 +590,14 @@ class WorkerScheduler:
             self.listener.drafts_verified(accepted)
         self.num_accepted_tokens += accepted
         return list(outputs.values())
+
+    def _step_answered(self, step: worker_pb2.Step) -> None:
+        """The step's requests are in no step in flight any more (unless a later one planned them again)."""
+        for request_id in itertools.chain((n.request_id for n in step.new_requests),
+                                          (s.request_id for s in step.scheduled)):  # fmt: skip
+            request = self._by_id.get(request_id)
+            if request is not None and request.in_flight_step == step.step_id:
+                request.in_flight_step = 0
 
     def fail_step(self, step: worker_pb2.Step, error: str) -> list[RequestOutput]:
         """Abort the step's requests and forget the prefixes it indexed (their KV may never have been written).

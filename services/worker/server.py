@@ -194,6 +194,7 @@ async def _serve_driver(
         worker_id=worker_id,
         device=runner.device_type,
         tensor_parallel_size=runner.tp.size,
+        pipeline_parallel_size=runner.stage.num_stages,
         kv_format=runner.kv_format,
         model_identity=runner.model_identity,
         model_name=runner.model_name,

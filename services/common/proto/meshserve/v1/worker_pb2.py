@@ -26,7 +26,7 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.meshserve.v1 import sampling_pb2 as meshserve_dot_v1_dot_sampling__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meshserve/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\"\xc3\x01\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.WorkerHelloH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.StepResultH\x00\x12$\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.DrainH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.HeartbeatH\x00\x42\x06\n\x04kind\"D\n\tHeartbeat\x12\x19\n\x11num_pending_steps\x18\x01 \x01(\r\x12\x1c\n\x14running_step_seconds\x18\x02 \x01(\x02\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\"p\n\x10SchedulerMessage\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.meshserve.v1.AttachAcceptedH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.StepH\x00\x42\x06\n\x04kind\"\xc8\x02\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x11\n\tkv_format\x18\x04 \x01(\t\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x16\n\x0ehealth_address\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x16\n\x0emodel_identity\x18\r \x01(\t\x12\x18\n\x10kv_store_enabled\x18\x0e \x01(\x08\"G\n\x0e\x41ttachAccepted\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x02\"\xfe\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x91\x01\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\"\xeb\x01\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.NewRequest\x12\x31\n\tscheduled\x18\x03 \x03(\x0b\x32\x1e.meshserve.v1.ScheduledRequest\x12\x1b\n\x13removed_request_ids\x18\x04 \x03(\t\x12&\n\x08kv_loads\x18\x05 \x03(\x0b\x32\x14.meshserve.v1.KVLoad\x12*\n\x08kv_saves\x18\x06 \x03(\x0b\x32\x18.meshserve.v1.KVBlockRef\"2\n\nKVBlockRef\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"C\n\x06KVLoad\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.KVBlockRef\"1\n\nKVLoadDone\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x12\n\nnum_loaded\x18\x02 \x01(\r\"\xa5\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x19.meshserve.v1.TopLogprobs\x12-\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.RequestFailure\"0\n\x0eRequestFailure\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbd\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07sampled\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x02\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12/\n\rkv_loads_done\x18\x05 \x03(\x0b\x32\x18.meshserve.v1.KVLoadDone\x12\x18\n\x10kv_saves_dropped\x18\x06 \x01(\rBo\n\x0fio.meshserve.v1B\x0bWorkerProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19meshserve/v1/worker.proto\x12\x0cmeshserve.v1\x1a\x1bmeshserve/v1/sampling.proto\"\xc3\x01\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.WorkerHelloH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.meshserve.v1.StepResultH\x00\x12$\n\x05\x64rain\x18\x03 \x01(\x0b\x32\x13.meshserve.v1.DrainH\x00\x12,\n\theartbeat\x18\x04 \x01(\x0b\x32\x17.meshserve.v1.HeartbeatH\x00\x42\x06\n\x04kind\"D\n\tHeartbeat\x12\x19\n\x11num_pending_steps\x18\x01 \x01(\r\x12\x1c\n\x14running_step_seconds\x18\x02 \x01(\x02\"\x17\n\x05\x44rain\x12\x0e\n\x06reason\x18\x01 \x01(\t\"p\n\x10SchedulerMessage\x12\x30\n\x08\x61\x63\x63\x65pted\x18\x01 \x01(\x0b\x32\x1c.meshserve.v1.AttachAcceptedH\x00\x12\"\n\x04step\x18\x02 \x01(\x0b\x32\x12.meshserve.v1.StepH\x00\x42\x06\n\x04kind\"\xfc\x02\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x02 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\x03 \x01(\r\x12\x11\n\tkv_format\x18\x04 \x01(\t\x12\x12\n\nmodel_name\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x12\n\nnum_blocks\x18\x07 \x01(\r\x12\x15\n\rmax_model_len\x18\x08 \x01(\r\x12\x12\n\nvocab_size\x18\t \x01(\r\x12\x16\n\x0ehealth_address\x18\n \x01(\t\x12\x14\n\x0cmax_num_seqs\x18\x0b \x01(\r\x12\x1e\n\x16max_num_batched_tokens\x18\x0c \x01(\r\x12\x16\n\x0emodel_identity\x18\r \x01(\t\x12\x18\n\x10kv_store_enabled\x18\x0e \x01(\x08\x12\x12\n\nstep_slots\x18\x0f \x01(\r\x12\x1e\n\x16pipeline_parallel_size\x18\x10 \x01(\r\"G\n\x0e\x41ttachAccepted\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\"\n\x1aheartbeat_interval_seconds\x18\x02 \x01(\x02\"\xfe\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x18\n\x10output_token_ids\x18\x03 \x03(\x05\x12.\n\x08sampling\x18\x04 \x01(\x0b\x32\x1c.meshserve.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x05 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x06 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x07 \x01(\r\x12\x15\n\reos_token_ids\x18\x08 \x03(\x05\x12\x13\n\x0btraceparent\x18\t \x01(\t\"\x91\x01\n\x10ScheduledRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x03 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x04 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x05 \x03(\x05\"\xeb\x01\n\x04Step\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.NewRequest\x12\x31\n\tscheduled\x18\x03 \x03(\x0b\x32\x1e.meshserve.v1.ScheduledRequest\x12\x1b\n\x13removed_request_ids\x18\x04 \x03(\t\x12&\n\x08kv_loads\x18\x05 \x03(\x0b\x32\x14.meshserve.v1.KVLoad\x12*\n\x08kv_saves\x18\x06 \x03(\x0b\x32\x18.meshserve.v1.KVBlockRef\"2\n\nKVBlockRef\x12\x10\n\x08\x62lock_id\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\"C\n\x06KVLoad\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12(\n\x06\x62locks\x18\x02 \x03(\x0b\x32\x18.meshserve.v1.KVBlockRef\"1\n\nKVLoadDone\x12\x0f\n\x07load_id\x18\x01 \x01(\x04\x12\x12\n\nnum_loaded\x18\x02 \x01(\r\"\xa5\x01\n\x0cSampledToken\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x08token_id\x18\x02 \x01(\x05\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12/\n\x0ctop_logprobs\x18\x04 \x01(\x0b\x32\x19.meshserve.v1.TopLogprobs\x12-\n\x07\x66\x61ilure\x18\x05 \x01(\x0b\x32\x1c.meshserve.v1.RequestFailure\"0\n\x0eRequestFailure\x12\r\n\x05\x66ield\x18\x01 \x01(\t\x12\x0f\n\x07message\x18\x02 \x01(\t\"\xbd\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x07sampled\x18\x02 \x03(\x0b\x32\x1a.meshserve.v1.SampledToken\x12\x17\n\x0f\x65xecute_seconds\x18\x03 \x01(\x02\x12\r\n\x05\x65rror\x18\x04 \x01(\t\x12/\n\rkv_loads_done\x18\x05 \x03(\x0b\x32\x18.meshserve.v1.KVLoadDone\x12\x18\n\x10kv_saves_dropped\x18\x06 \x01(\rBo\n\x0fio.meshserve.v1B\x0bWorkerProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,25 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SCHEDULERMESSAGE']._serialized_start=365
   _globals['_SCHEDULERMESSAGE']._serialized_end=477
   _globals['_WORKERHELLO']._serialized_start=480
-  _globals['_WORKERHELLO']._serialized_end=808
-  _globals['_ATTACHACCEPTED']._serialized_start=810
-  _globals['_ATTACHACCEPTED']._serialized_end=881
-  _globals['_NEWREQUEST']._serialized_start=884
-  _globals['_NEWREQUEST']._serialized_end=1138
-  _globals['_SCHEDULEDREQUEST']._serialized_start=1141
-  _globals['_SCHEDULEDREQUEST']._serialized_end=1286
-  _globals['_STEP']._serialized_start=1289
-  _globals['_STEP']._serialized_end=1524
-  _globals['_KVBLOCKREF']._serialized_start=1526
-  _globals['_KVBLOCKREF']._serialized_end=1576
-  _globals['_KVLOAD']._serialized_start=1578
-  _globals['_KVLOAD']._serialized_end=1645
-  _globals['_KVLOADDONE']._serialized_start=1647
-  _globals['_KVLOADDONE']._serialized_end=1696
-  _globals['_SAMPLEDTOKEN']._serialized_start=1699
-  _globals['_SAMPLEDTOKEN']._serialized_end=1864
-  _globals['_REQUESTFAILURE']._serialized_start=1866
-  _globals['_REQUESTFAILURE']._serialized_end=1914
-  _globals['_STEPRESULT']._serialized_start=1917
-  _globals['_STEPRESULT']._serialized_end=2106
+  _globals['_WORKERHELLO']._serialized_end=860
+  _globals['_ATTACHACCEPTED']._serialized_start=862
+  _globals['_ATTACHACCEPTED']._serialized_end=933
+  _globals['_NEWREQUEST']._serialized_start=936
+  _globals['_NEWREQUEST']._serialized_end=1190
+  _globals['_SCHEDULEDREQUEST']._serialized_start=1193
+  _globals['_SCHEDULEDREQUEST']._serialized_end=1338
+  _globals['_STEP']._serialized_start=1341
+  _globals['_STEP']._serialized_end=1576
+  _globals['_KVBLOCKREF']._serialized_start=1578
+  _globals['_KVBLOCKREF']._serialized_end=1628
+  _globals['_KVLOAD']._serialized_start=1630
+  _globals['_KVLOAD']._serialized_end=1697
+  _globals['_KVLOADDONE']._serialized_start=1699
+  _globals['_KVLOADDONE']._serialized_end=1748
+  _globals['_SAMPLEDTOKEN']._serialized_start=1751
+  _globals['_SAMPLEDTOKEN']._serialized_end=1916
+  _globals['_REQUESTFAILURE']._serialized_start=1918
+  _globals['_REQUESTFAILURE']._serialized_end=1966
+  _globals['_STEPRESULT']._serialized_start=1969
+  _globals['_STEPRESULT']._serialized_end=2158
 # @@protoc_insertion_point(module_scope)

@@ -175,6 +175,8 @@ class WorkerHello(_message.Message):
     MAX_NUM_BATCHED_TOKENS_FIELD_NUMBER: _builtins.int
     MODEL_IDENTITY_FIELD_NUMBER: _builtins.int
     KV_STORE_ENABLED_FIELD_NUMBER: _builtins.int
+    STEP_SLOTS_FIELD_NUMBER: _builtins.int
+    PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     worker_id: _builtins.str
     """Unique per worker process (host:pid:port by default)."""
     device: _builtins.str
@@ -210,6 +212,14 @@ class WorkerHello(_message.Message):
     """Whether the worker has a kvstore (its --kv-store is set): only then does
     the scheduler send it kv_loads and kv_saves.
     """
+    step_slots: _builtins.int
+    """Steps the worker runs at once: one per pipeline stage, each stage busy
+    with a different step. Above 1 the scheduler keeps up to this many steps
+    in flight, each a micro-batch of requests no other step in flight holds.
+    0 or 1: one step at a time (async scheduling may queue one more).
+    """
+    pipeline_parallel_size: _builtins.int
+    """Pipeline stages the worker's layers are split into (1: none)."""
     def __init__(
         self,
         *,
@@ -227,10 +237,12 @@ class WorkerHello(_message.Message):
         max_num_batched_tokens: _builtins.int = ...,
         model_identity: _builtins.str = ...,
         kv_store_enabled: _builtins.bool = ...,
+        step_slots: _builtins.int = ...,
+        pipeline_parallel_size: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "kv_format", b"kv_format", "kv_store_enabled", b"kv_store_enabled", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_identity", b"model_identity", "model_name", b"model_name", "num_blocks", b"num_blocks", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "device", b"device", "health_address", b"health_address", "kv_format", b"kv_format", "kv_store_enabled", b"kv_store_enabled", "max_model_len", b"max_model_len", "max_num_batched_tokens", b"max_num_batched_tokens", "max_num_seqs", b"max_num_seqs", "model_identity", b"model_identity", "model_name", b"model_name", "num_blocks", b"num_blocks", "pipeline_parallel_size", b"pipeline_parallel_size", "step_slots", b"step_slots", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "worker_id", b"worker_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
