@@ -147,6 +147,9 @@ class Cluster:
             # What this worker's steps are planned within: the smaller of the scheduler's and its own.
             max_num_seqs=worker.planner.max_num_seqs,
             max_num_batched_tokens=worker.planner.max_num_batched_tokens,
+            # Steps kept in flight on it (one per pipeline stage when micro-batched).
+            steps_in_flight=worker.depth,
+            micro_batched=worker.planner.micro_batched,
         )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             own, reported = getattr(s, name), getattr(hello, name)

@@ -13,8 +13,8 @@ import threading
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol, runtime_checkable
 
 import grpc
 import structlog
@@ -39,6 +39,14 @@ class StepExecutor(Protocol):
     def execute(self, step: worker_pb2.Step) -> worker_pb2.StepResult: ...
 
     def reset(self) -> None: ...
+
+
+@runtime_checkable
+class PipelinedExecutor(StepExecutor, Protocol):
+    """An executor whose steps overlap (pipelined stages): launch starts one on the model thread and returns
+    the future of its answer, so the next step can start before this one is answered."""
+
+    def launch(self, step: worker_pb2.Step) -> Future[worker_pb2.StepResult]: ...
 
 
 class StepRejected(ValueError):
@@ -149,11 +157,35 @@ class AttachClient:
     def _submit(self, outbox: Outbox, step: worker_pb2.Step) -> None:
         """Queue the step on the model thread at once: with async scheduling the next Step arrives while
         one runs, and the thread starts it the moment the current one ends, without waiting for this loop."""
-        # In a copy of this context, so the model thread's log lines carry the worker's bound fields.
-        run = functools.partial(contextvars.copy_context().run, self._execute, step)
-        future = asyncio.get_running_loop().run_in_executor(self._thread, run)
+        future: asyncio.Future[worker_pb2.StepResult]
+        if isinstance(self.executor, PipelinedExecutor):
+            future = asyncio.ensure_future(self._run_launched(step))
+        else:
+            # In a copy of this context, so the model thread's log lines carry the worker's bound fields.
+            run = functools.partial(contextvars.copy_context().run, self._execute, step)
+            future = asyncio.get_running_loop().run_in_executor(self._thread, run)
         future.add_done_callback(functools.partial(self._answer, outbox))
         self._pending.append(future)
+
+    async def _run_launched(self, step: worker_pb2.Step) -> worker_pb2.StepResult:
+        """A pipelined step: launched on the model thread in arrival order, answered when its future is."""
+        start = time.monotonic()
+        run = functools.partial(contextvars.copy_context().run, self._launch, step)
+        try:
+            answer = await asyncio.get_running_loop().run_in_executor(self._thread, run)
+            return await asyncio.wrap_future(answer)
+        except Exception as err:  # a bad step must not take the worker down
+            return self._failed(step, err, start)
+
+    def _launch(self, step: worker_pb2.Step) -> Future[worker_pb2.StepResult]:
+        """Run on the model thread: the step's stage-0 part."""
+        assert isinstance(self.executor, PipelinedExecutor)
+        self._model_thread_id = threading.get_ident()
+        self._running = (step.step_id, time.monotonic())
+        try:
+            return self.executor.launch(step)
+        finally:
+            self._running = None
 
     def _answer(self, outbox: Outbox, done: asyncio.Future[worker_pb2.StepResult]) -> None:
         """Send results in step order (one model thread runs them in order, so they finish in order)."""
@@ -182,17 +214,28 @@ class AttachClient:
         try:
             return self.executor.execute(step)
         except Exception as err:  # a bad step must not take the worker down
-            if isinstance(err, StepRejected):
-                log.exception("step failed", step_id=step.step_id, request_id=err.request_id, trace_id=err.trace_id)
-            else:
-                log.exception("step failed", step_id=step.step_id)
-            return worker_pb2.StepResult(
-                step_id=step.step_id,
-                error=f"{type(err).__name__}: {err}",
-                execute_seconds=time.monotonic() - start,
-            )
+            return self._failed(step, err, start)
         finally:
             self._running = None
+
+    @staticmethod
+    def _failed(step: worker_pb2.Step, err: Exception, start: float) -> worker_pb2.StepResult:
+        """The answer of a step that raised: logged with the request it names, if any."""
+        if isinstance(err, StepRejected):
+            log.error(
+                "step failed",
+                step_id=step.step_id,
+                request_id=err.request_id,
+                trace_id=err.trace_id,
+                exc_info=err,
+            )
+        else:
+            log.error("step failed", step_id=step.step_id, exc_info=err)
+        return worker_pb2.StepResult(
+            step_id=step.step_id,
+            error=f"{type(err).__name__}: {err}",
+            execute_seconds=time.monotonic() - start,
+        )
 
     async def wait_steps_done(self, timeout: float) -> bool:
         """Wait up to timeout for every step the model thread holds; False when one is still running."""

@@ -118,13 +118,19 @@ class TPGroup:
 
 
 class PipelineChannel:
-    """This rank's hop to the same TP rank of the neighbouring stages, over the platform's backend."""
+    """This rank's hop to the same TP rank of the neighbouring stages, over the platform's backend; and the
+    sampling rank's channel back to rank 0 (gloo, a group of their own), for pipelined steps' tokens."""
 
-    def __init__(self, rank: int = 0, tp_size: int = 1, stage: int = 0, num_stages: int = 1) -> None:
+    def __init__(
+        self, rank: int = 0, tp_size: int = 1, stage: int = 0, num_stages: int = 1, result_group: Any = None
+    ) -> None:
         self.stage = stage
         self.num_stages = num_stages
         self._prev = rank - tp_size
         self._next = rank + tp_size
+        self._sampling_rank = (num_stages - 1) * tp_size
+        # Its own group: rank 0's command broadcasts and this channel run on different threads.
+        self._result_group = result_group
 
     def send_next(self, tensors: list[torch.Tensor]) -> None:
         """Hand the step's activations to the next stage (blocks until it has taken them)."""
@@ -138,6 +144,31 @@ class PipelineChannel:
         for buffer in buffers:
             dist.recv(buffer, src=self._prev)
         return buffers
+
+    def send_result(self, token_ids: list[int] | None, payload: bytes = b"") -> None:
+        """Sampling rank: a step's sampled ids (every row, drafts' too) and its serialized answer to rank 0;
+        None says goodbye (the worker is shutting down)."""
+        count = -1 if token_ids is None else len(token_ids)
+        dist.send(torch.tensor([count, len(payload)], dtype=torch.int64), dst=0, group=self._result_group)
+        if token_ids:
+            dist.send(torch.tensor(token_ids, dtype=torch.int64), dst=0, group=self._result_group)
+        if payload:
+            dist.send(torch.frombuffer(bytearray(payload), dtype=torch.uint8), dst=0, group=self._result_group)
+
+    def recv_result(self) -> tuple[list[int], bytes] | None:
+        """Rank 0: the next step's (sampled ids, serialized answer) from the sampling rank; None at goodbye."""
+        header = torch.empty(2, dtype=torch.int64)
+        dist.recv(header, src=self._sampling_rank, group=self._result_group)
+        count, length = (int(v) for v in header.tolist())
+        if count < 0:
+            return None
+        tokens = torch.empty(count, dtype=torch.int64)
+        if count:
+            dist.recv(tokens, src=self._sampling_rank, group=self._result_group)
+        payload = torch.empty(length, dtype=torch.uint8)
+        if length:
+            dist.recv(payload, src=self._sampling_rank, group=self._result_group)
+        return [int(v) for v in tokens.tolist()], bytes(payload.numpy())
 
 
 SINGLE = TPGroup()
@@ -183,7 +214,10 @@ def init_groups(backend: str, init: DistInit, tensor_parallel_size: int) -> Work
         if other == stage:
             device_group = group
     tp = TPGroup(tp_rank, tensor_parallel_size, device_group)
-    return WorkerGroups(ranks, tp, PipelineChannel(init.rank, tensor_parallel_size, stage, num_stages))
+    sampling_rank = (num_stages - 1) * tensor_parallel_size
+    result_group = dist.new_group(ranks=[0, sampling_rank], backend="gloo", timeout=COMMAND_TIMEOUT)
+    pipe = PipelineChannel(init.rank, tensor_parallel_size, stage, num_stages, result_group)
+    return WorkerGroups(ranks, tp, pipe)
 
 
 def destroy_groups(ranks: RankGroup) -> None:

@@ -35,6 +35,8 @@ class EngineConfig:
     # Pipeline stages (each a TP group of tensor_parallel_size ranks), and their layer counts (None: balanced).
     pipeline_parallel_size: int = 1
     pp_layer_partition: tuple[int, ...] | None = None
+    # With stages: each works on a different step at once (micro-batches), else one step runs at a time.
+    pipeline_micro_batching: bool = True
     # KV budget on the CPU (bytes); on devices the budget comes from gpu_memory_utilization.
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9

@@ -43,8 +43,8 @@ def device_kv_budget(memory: DeviceMemory, utilization: float) -> int:
             f"out of device memory: weights ({gib(memory.weights_bytes)}) and the activation peak at "
             f"--max-num-batched-tokens ({gib(memory.activation_peak_bytes)}) leave no KV cache room within "
             f"--gpu-memory-utilization {utilization} ({gib(requested)}); lower --max-num-batched-tokens or "
-            "--max-num-seqs, raise --tensor-parallel-size, or raise --gpu-memory-utilization if the device is "
-            "not shared"
+            "--max-num-seqs, raise --tensor-parallel-size or --pipeline-parallel-size, or raise "
+            "--gpu-memory-utilization if the device is not shared"
         )
     return budget
 

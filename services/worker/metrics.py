@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Protocol
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -16,7 +17,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 from services.common.metrics import buckets
 from services.common.metrics.names import metric
 from services.common.proto.meshserve.v1 import worker_pb2
-from services.worker.attach import StepExecutor
+from services.worker.attach import PipelinedExecutor, StepExecutor
 
 # Tokens computed in one step: vLLM's iteration-token buckets.
 _STEP_TOKENS = buckets.ITERATION_TOKENS
@@ -108,6 +109,10 @@ class MeteredExecutor:
         """Run the step on the inner executor, then count it."""
         started = time.perf_counter()
         result = self._inner.execute(step)
+        self._count(step, result, started)
+        return result
+
+    def _count(self, step: worker_pb2.Step, result: worker_pb2.StepResult, started: float) -> None:
         elapsed = result.execute_seconds or (time.perf_counter() - started)
         metrics = self._metrics
         metrics.steps.inc()
@@ -119,9 +124,28 @@ class MeteredExecutor:
             tokens += sum(r.num_scheduled_tokens for r in step.scheduled)
             metrics.step_tokens.observe(tokens)
         metrics.batch_changed(self._batch)
-        return result
 
     def reset(self) -> None:
         """Empty the inner executor's batch."""
         self._inner.reset()
         self._metrics.batch_changed(self._batch)
+
+
+class MeteredPipelinedExecutor(MeteredExecutor):
+    """A PipelinedExecutor that records every step once it is answered."""
+
+    def __init__(self, inner: PipelinedExecutor, metrics: WorkerMetrics, batch: BatchState) -> None:
+        super().__init__(inner, metrics, batch)
+        self._pipelined = inner
+
+    def launch(self, step: worker_pb2.Step) -> Future[worker_pb2.StepResult]:
+        """Start the step on the inner executor; count it when its answer arrives."""
+        started = time.perf_counter()
+        future = self._pipelined.launch(step)
+
+        def count(done: Future[worker_pb2.StepResult]) -> None:
+            if done.exception() is None:
+                self._count(step, done.result(), started)
+
+        future.add_done_callback(count)
+        return future

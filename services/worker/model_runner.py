@@ -93,8 +93,19 @@ class _Scheduled:
         return 1 + len(self.draft_token_ids) if done else 0
 
 
+@dataclass
+class _InPipeline:
+    """A step this rank ran whose tokens rank 0 has not yet announced (pipelined stages only)."""
+
+    # id() of each of its requests' CachedRequest: none of them may be in another step until it is announced.
+    requests: set[int]
+    # The rows it samples, per request; the sampling rank also keeps the ids it sampled.
+    sample_work: list[tuple[_Scheduled, int]] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+
+
 class ModelRunner:
-    """Owns one rank's weights shard, KV cache and persistent batch; rank 0 also samples."""
+    """Owns one rank's weights shard, KV cache and persistent batch; the sampling rank also samples."""
 
     def __init__(
         self, config: EngineConfig, dist_init: DistInit | None = None, platform: Platform | None = None
@@ -134,6 +145,10 @@ class ModelRunner:
         # and the grammar matchers; rank 0 when the worker has one stage.
         self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.samples = self.ranks.rank == self.sampling_rank
+        # Pipelined stages: each stage works on a different step (micro-batch) at once; a step's tokens reach
+        # rank 0 from the sampling rank and every other rank with a later command (services/worker/tp_ranks.py).
+        self.pipelined = config.pipeline_parallel_size > 1 and config.pipeline_micro_batching
+        self._in_pipeline: dict[int, _InPipeline] = {}
         self.max_model_len: int = max_model_len
         self.vocab_size: int = arch.vocab_size
         self.model_name: str = config.served_model_name or source.name
@@ -174,7 +189,8 @@ class ModelRunner:
                 raise StartupError(
                     f"out of {self.device_type} memory while loading the model or its KV cache ({err}); lower "
                     "--gpu-memory-utilization (or --kv-cache-memory on the CPU), --max-num-batched-tokens or "
-                    "--max-model-len, or raise --tensor-parallel-size"
+                    "--max-model-len, or raise --tensor-parallel-size or --pipeline-parallel-size (each rank then "
+                    "holds less)"
                 ) from err
             raise
         log.info(
@@ -384,9 +400,11 @@ class ModelRunner:
             if removed is not None and self.ranks.is_driver:
                 self._left(removed, "removed")
         work = self._apply(step)
+        if self.pipelined and work:
+            self._in_pipeline[step.step_id] = _InPipeline({id(item.request) for item in work})
         result = worker_pb2.StepResult(step_id=step.step_id)
         if work:
-            self._run(work, result)
+            self._run(work, result, step.step_id)
         self.platform.synchronize()
         if kv is not None and step.kv_saves:
             # Copied now: the next step may write other tokens into these blocks.
@@ -400,7 +418,24 @@ class ModelRunner:
             result.kv_loads_done.extend(worker_pb2.KVLoadDone(load_id=i) for i in self._loads_without_store)
             self._loads_without_store.clear()
             result.kv_saves_dropped = len(step.kv_saves)
+        if self.pipelined and self.samples:
+            # Every step that passed its checks is answered, in order, so rank 0 pairs answers with steps.
+            record = self._in_pipeline.get(step.step_id)
+            answer = worker_pb2.StepResult(step_id=step.step_id, sampled=result.sampled)
+            self.pipe.send_result(record.token_ids if record else [], answer.SerializeToString())
         return result
+
+    def apply_finished(self, finished: Sequence[tuple[int, Sequence[int]]]) -> None:
+        """Pipelined stages: rank 0 announces these steps answered, with every row's sampled id; each rank but
+        the sampling one (which appended them when it sampled) appends them now, so every persistent batch
+        stays the same, and their requests may be scheduled again."""
+        for step_id, token_ids in finished:
+            record = self._in_pipeline.pop(step_id, None)
+            if record is None or self.samples:
+                continue
+            if SAMPLING_FAILED in token_ids:
+                raise RuntimeError(f"rank {self.sampling_rank} failed to sample step {step_id}")
+            self._apply_sampled(record.sample_work, list(token_ids), [None] * len(token_ids), None)
 
     def _report_kv(self, kv: KVTransfer, result: worker_pb2.StepResult) -> None:
         """Loads done on every rank since the last result (oldest first), and saves dropped since then.
@@ -456,6 +491,7 @@ class ModelRunner:
                     self._left(removed, "reset")
             self._trace_ids.clear()
         self.batch = InputBatch()
+        self._in_pipeline.clear()
         self._loads_without_store.clear()
         if self.kv_transfer is not None:
             # Returns once no load writes into the cache any more: the new stream reuses those blocks.
@@ -517,6 +553,8 @@ class ModelRunner:
                 cached = self.batch.get(sched.request_id)
             except ValueError as err:
                 raise StepRejected(sched.request_id, str(err)) from None
+            # Before any check of its progress: ranks of different stages have seen different amounts of it.
+            self._check_not_in_pipeline(cached)
             if sched.num_computed_tokens != cached.num_computed_tokens:
                 raise StepRejected(
                     sched.request_id,
@@ -569,6 +607,16 @@ class ModelRunner:
             )
         return drafts
 
+    def _check_not_in_pipeline(self, cached: CachedRequest) -> None:
+        """A pipelined worker runs each request in one step at a time: its next step needs the token the last
+        stage samples for it (every rank decides this alike, from rank 0's announcements)."""
+        for step_id, record in self._in_pipeline.items():
+            if id(cached) in record.requests:
+                rid = cached.request_id
+                raise StepRejected(
+                    rid, f"request {rid!r} is still in step {step_id} on the pipeline; schedule it once that answers"
+                )
+
     @staticmethod
     def _check_id(request_id: str, seen: set[str]) -> None:
         if not request_id:
@@ -601,7 +649,7 @@ class ModelRunner:
         if bad:
             raise StepRejected(request_id, f"request {request_id!r}: block id {bad[0]} >= num_blocks={self.num_blocks}")
 
-    def _run(self, work: list[_Scheduled], result: worker_pb2.StepResult) -> None:
+    def _run(self, work: list[_Scheduled], result: worker_pb2.StepResult, step_id: int) -> None:
         """Forward the flat batch, sample the rows that reached their end (rank 0), advance the batch.
 
         A request with drafts has a row sampled at each draft position (the history up to it as its own): the
@@ -619,36 +667,68 @@ class ModelRunner:
             item.request.num_computed_tokens += item.num_scheduled
         if not sample_rows:
             return
-        token_ids: list[int] | None = None
+        if self.pipelined:
+            record = self._in_pipeline[step_id]
+            record.sample_work = sample_work
+            if self.samples:
+                assert logits is not None
+                record.token_ids, sampled = self._sample(logits, sample_work, len(sample_rows))
+                self._apply_sampled(sample_work, record.token_ids, sampled, result)
+            # The other ranks append the tokens when rank 0 announces them (apply_finished).
+            return
+        token_ids_here: list[int] | None = None
         extras: list[Sampled | None] = [None] * len(sample_rows)
         if self.samples:
             assert logits is not None
-            rows = [item.request for item, n in sample_work for _ in range(n)]
-            requests = [
-                SampleRequest(item.request.sampling_options, item.request.num_output_tokens + j, item.token_ids,
-                              item.request.num_prompt_tokens)
-                for item, n in sample_work
-                for j in range(n)
-            ]  # fmt: skip
-            try:
-                # A request whose grammar failed has no matcher (failure set instead): sampled unmasked, dropped.
-                constrained = self.grammar is not None and any(r.grammar is not None for r in rows)
-                allowed = self._allowed(rows) if constrained else None
-                sampled = self.sampler.sample(logits, requests, allowed)
-            except Exception:
-                # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
-                self.ranks.broadcast_ints([SAMPLING_FAILED] * len(sample_rows), len(sample_rows), self.sampling_rank)
-                raise
-            token_ids = [s.token_id for s in sampled]
-            extras = list(sampled)
-            if constrained:
-                # Constrained requests have no drafts: one row each.
-                self._advance_grammars(rows, token_ids)
+            token_ids_here, extras = self._sample(logits, sample_work, len(sample_rows))
         # Every rank appends the same tokens so their persistent batches stay identical.
-        token_ids = self.ranks.broadcast_ints(token_ids, len(sample_rows), self.sampling_rank)
+        token_ids = self.ranks.broadcast_ints(token_ids_here, len(sample_rows), self.sampling_rank)
         if SAMPLING_FAILED in token_ids:
             raise RuntimeError(f"rank {self.sampling_rank} failed to sample this step")
         sampled_tokens = result if self.samples else worker_pb2.StepResult()
+        self._apply_sampled(sample_work, token_ids, extras, sampled_tokens)
+        if self.sampling_rank != 0:
+            self._pass_sampled_to_driver(sampled_tokens, result)
+
+    def _sample(
+        self, logits: torch.Tensor, sample_work: list[tuple[_Scheduled, int]], num_rows: int
+    ) -> tuple[list[int], list[Sampled | None]]:
+        """The sampling rank: every row's token (grammar masks applied, matchers advanced) and its extras."""
+        rows = [item.request for item, n in sample_work for _ in range(n)]
+        requests = [
+            SampleRequest(item.request.sampling_options, item.request.num_output_tokens + j, item.token_ids,
+                          item.request.num_prompt_tokens)
+            for item, n in sample_work
+            for j in range(n)
+        ]  # fmt: skip
+        try:
+            # A request whose grammar failed has no matcher (failure set instead): sampled unmasked, dropped.
+            constrained = self.grammar is not None and any(r.grammar is not None for r in rows)
+            allowed = self._allowed(rows) if constrained else None
+            sampled = self.sampler.sample(logits, requests, allowed)
+        except Exception:
+            # The other ranks wait for tokens: tell them this step failed rather than leave them hanging.
+            failed = [SAMPLING_FAILED] * num_rows
+            if self.pipelined:
+                self.pipe.send_result(failed)
+            else:
+                self.ranks.broadcast_ints(failed, num_rows, self.sampling_rank)
+            raise
+        token_ids = [s.token_id for s in sampled]
+        if constrained:
+            # Constrained requests have no drafts: one row each.
+            self._advance_grammars(rows, token_ids)
+        return token_ids, list(sampled)
+
+    def _apply_sampled(
+        self,
+        sample_work: list[tuple[_Scheduled, int]],
+        token_ids: list[int],
+        extras: Sequence[Sampled | None],
+        answer: worker_pb2.StepResult | None,
+    ) -> None:
+        """Append each request's sampled tokens (the drafts they confirm, then one more) to the batch, and to
+        the answer when given (the sampling rank's: only it knows logprobs and failures)."""
         first = 0
         for item, n in sample_work:
             row_tokens, row_extras = token_ids[first : first + n], extras[first : first + n]
@@ -659,10 +739,9 @@ class ModelRunner:
             if item.draft_token_ids:
                 # KV holds the known tokens and the drafts kept; the last token is computed by the next step.
                 request.num_computed_tokens = request.num_tokens - 1
-            for token_id, extra in zip(row_tokens[:kept], row_extras[:kept], strict=True):
-                sampled_tokens.sampled.append(self._sampled_token(request, token_id, extra))
-        if self.sampling_rank != 0:
-            self._pass_sampled_to_driver(sampled_tokens, result)
+            if answer is not None:
+                for token_id, extra in zip(row_tokens[:kept], row_extras[:kept], strict=True):
+                    answer.sampled.append(self._sampled_token(request, token_id, extra))
 
     def _pass_sampled_to_driver(self, sampled: worker_pb2.StepResult, result: worker_pb2.StepResult) -> None:
         """The sampling rank (last stage) sends rank 0 what it reports upstream: each token with its logprobs

@@ -24,7 +24,7 @@ from services.common.proto.meshserve.v1 import worker_pb2
 from services.common.tls import load_security
 from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
 from services.worker.engine_config import EngineConfig
-from services.worker.metrics import MeteredExecutor, WorkerMetrics
+from services.worker.metrics import MeteredExecutor, MeteredPipelinedExecutor, WorkerMetrics
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry.device_telemetry import DeviceTelemetry
 
@@ -53,6 +53,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         tensor_parallel_size=settings.tensor_parallel_size,
         pipeline_parallel_size=settings.pipeline_parallel_size,
         pp_layer_partition=settings.layer_partition,
+        pipeline_micro_batching=settings.pipeline_micro_batching,
         kv_cache_memory_bytes=settings.kv_cache_memory_bytes,
         gpu_memory_utilization=settings.gpu_memory_utilization,
         max_model_len=settings.max_model_len,
@@ -180,16 +181,23 @@ async def _serve_driver(
     metrics: WorkerMetrics,
 ) -> int:
     """Rank 0: attach to the scheduler and run its steps on every rank."""
+    from services.worker.pipeline_driver import PipelineDriver
     from services.worker.tp_ranks import TensorParallelDriver, watch_ranks
 
     stopping = threading.Event()
     executor: StepExecutor = runner
-    driver = None
-    if runner.ranks.size > 1:
-        driver = TensorParallelDriver(runner, processes, stopping)
-        executor = driver
+    driver: TensorParallelDriver | None = None
+    step_slots = 0
+    if runner.pipelined:
+        pipeline = PipelineDriver(runner, processes, stopping)
+        driver, step_slots = pipeline, pipeline.slots
+        executor = MeteredPipelinedExecutor(pipeline, metrics, runner)
         watch_ranks(processes, stopping)
-    executor = MeteredExecutor(executor, metrics, runner)
+    else:
+        if runner.ranks.size > 1:
+            driver = executor = TensorParallelDriver(runner, processes, stopping)
+            watch_ranks(processes, stopping)
+        executor = MeteredExecutor(executor, metrics, runner)
     hello = worker_pb2.WorkerHello(
         worker_id=worker_id,
         device=runner.device_type,
@@ -206,6 +214,7 @@ async def _serve_driver(
         max_num_seqs=settings.max_num_seqs,
         max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_store_enabled=runner.kv_transfer is not None,
+        step_slots=step_slots,
     )
     log.info(
         "model loaded",

@@ -59,6 +59,11 @@ class WorkerSettings(ServiceSettings):
         "group of --tensor-parallel-size ranks)",
         ge=1,
     )
+    pipeline_micro_batching: bool = Field(
+        True,
+        description="with pipeline stages, keep one micro-batch per stage in flight so every stage works at once "
+        "(off: one step at a time, P - 1 stages idle)",
+    )
     pp_layer_partition: str | None = Field(
         None, description="decoder layers of each pipeline stage, comma-separated, e.g. 16,14 (unset: balanced)"
     )

@@ -1,8 +1,12 @@
-"""Tensor-parallel ranks: the node's first process starts the others; rank 0 sends every rank each command.
+"""A worker's ranks: the node's first process starts the others; rank 0 sends every rank each command.
 
 Rank 0 is the worker attached to the scheduler. Before running a Step itself it broadcasts the Step
-(serialized) over the gloo command channel; every other rank runs the same Step on its shard, so the
-collectives inside the forward pair up. Sampling happens on rank 0, which broadcasts the tokens.
+(serialized) over the gloo command channel; every other rank runs the same Step on its shard (or its
+pipeline stage), so the collectives and stage-to-stage hops inside the forward pair up. The sampling
+rank (rank 0, or the last stage's first rank) samples; one step at a time it broadcasts the tokens. With
+pipelined stages a command also carries the tokens of the steps answered since the last one
+(services/worker/pipeline_driver.py), and each rank takes commands on a thread of its own, so rank 0's
+broadcast never waits for a stage busy with an earlier step.
 """
 
 from __future__ import annotations
@@ -12,9 +16,11 @@ import enum
 import multiprocessing
 import multiprocessing.connection
 import os
+import queue
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 
@@ -65,29 +71,93 @@ def prepare_rank(config: EngineConfig, local_rank: int, ranks_per_node: int, cpu
         torch.set_num_threads(max(1, allowed if binding.cpus else allowed // ranks_per_node))
 
 
-def send_command(runner: ModelRunner, command: Command, payload: bytes = b"") -> None:
-    """Rank 0: tell every other rank what to do next."""
-    runner.ranks.broadcast_ints([int(command), len(payload)], 2)
+# Steps answered since the previous command, each (step_id, the sampled id of every row it sampled).
+Finished = list[tuple[int, list[int]]]
+
+
+def send_command(
+    runner: ModelRunner, command: Command, payload: bytes = b"", finished: Sequence[tuple[int, Sequence[int]]] = ()
+) -> None:
+    """Rank 0: tell every other rank what to do next (and, pipelined, which steps were answered with what)."""
+    answered = [v for step_id, ids in finished for v in (step_id, len(ids), *ids)]
+    runner.ranks.broadcast_ints([int(command), len(payload), len(answered)], 3)
     runner.ranks.broadcast_bytes(payload, len(payload))
+    if answered:
+        runner.ranks.broadcast_ints(answered, len(answered))
+
+
+def receive_command(runner: ModelRunner) -> tuple[int, bytes, Finished]:
+    """A non-zero rank: rank 0's next command, its payload and the steps it says were answered."""
+    kind, length, count = runner.ranks.broadcast_ints(None, 3)
+    payload = runner.ranks.broadcast_bytes(None, length)
+    answered = runner.ranks.broadcast_ints(None, count) if count else []
+    finished: Finished = []
+    i = 0
+    while i < len(answered):
+        step_id, n = answered[i], answered[i + 1]
+        finished.append((step_id, answered[i + 2 : i + 2 + n]))
+        i += 2 + n
+    return kind, payload, finished
 
 
 def serve_commands(runner: ModelRunner) -> None:
     """A non-zero rank: run rank 0's commands until it says shut down (or the group breaks)."""
+    if runner.pipelined:
+        _serve_pipelined(runner)
+        return
     while True:
-        kind, length = runner.ranks.broadcast_ints(None, 2)
-        payload = runner.ranks.broadcast_bytes(None, length)
+        kind, payload, _ = receive_command(runner)
         if kind == Command.SHUTDOWN:
             return
         if kind == Command.RESET:
             runner.reset()
             continue
-        step = worker_pb2.Step.FromString(payload)
-        try:
-            runner.execute(step)
-        except ValueError as err:
-            # Rank 0 validated the same step against the same state and reports the error upstream.
-            named = {"request_id": err.request_id, "trace_id": err.trace_id} if isinstance(err, StepRejected) else {}
-            log.debug("step_rejected", step_id=step.step_id, error=str(err), **named)
+        _run_step(runner, payload)
+
+
+def _run_step(runner: ModelRunner, payload: bytes) -> None:
+    step = worker_pb2.Step.FromString(payload)
+    try:
+        runner.execute(step)
+    except ValueError as err:
+        # Rank 0 validated the same step against the same state and reports the error upstream.
+        named = {"request_id": err.request_id, "trace_id": err.trace_id} if isinstance(err, StepRejected) else {}
+        log.debug("step_rejected", step_id=step.step_id, error=str(err), **named)
+
+
+def _serve_pipelined(runner: ModelRunner) -> None:
+    """Pipelined stages: a thread takes rank 0's commands as they come (so its broadcast never waits on this
+    rank's forward of an earlier step); this thread runs them in order. The queue holds at most the steps
+    the scheduler keeps in flight (one per stage)."""
+    commands: queue.Queue[tuple[int, bytes, Finished] | RuntimeError] = queue.Queue()
+
+    def listen() -> None:
+        while True:
+            try:
+                command = receive_command(runner)
+            except RuntimeError as err:
+                commands.put(err)
+                return
+            commands.put(command)
+            if command[0] == Command.SHUTDOWN:
+                return
+
+    threading.Thread(target=listen, name="pipeline-commands", daemon=True).start()
+    while True:
+        item = commands.get()
+        if isinstance(item, RuntimeError):
+            raise item
+        kind, payload, finished = item
+        if kind == Command.SHUTDOWN:
+            if runner.samples:
+                # Rank 0's answer thread waits on this rank: let it end.
+                runner.pipe.send_result(None)
+            return
+        runner.apply_finished(finished)
+        if kind == Command.RESET:
+            runner.reset()
+        else:
+            _run_step(runner, payload)
 
 
 def _die_with_parent() -> None:

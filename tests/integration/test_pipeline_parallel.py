@@ -47,15 +47,16 @@ def _pp_args(pp: int, tp: int = 1, kv_cache_memory: str = "64MiB") -> list[str]:
             "--tensor-parallel-size", str(tp), "--pipeline-parallel-size", str(pp)]  # fmt: skip
 
 
+@pytest.mark.parametrize("micro_batching", ["--pipeline-micro-batching", "--no-pipeline-micro-batching"])
 def test_pp2_matches_greedy_with_chunked_prefill_prefix_caching_and_preemption(
-    four_layer_model: Path, tmp_path: Path
+    four_layer_model: Path, tmp_path: Path, micro_batching: str
 ) -> None:
     # 24 blocks per stage are far fewer than 8 requests of up to 150 tokens need at once: preemption; a
     # 40-token common prefix: prefix-cache hits; steps of 48 tokens: prompts prefilled in chunks.
     suite = start_suite(
         four_layer_model,
         tmp_path,
-        worker_args=_pp_args(2, kv_cache_memory=str(24 * STAGE_BLOCK_BYTES)),
+        worker_args=[*_pp_args(2, kv_cache_memory=str(24 * STAGE_BLOCK_BYTES)), micro_batching],
         scheduler_args=["--max-num-batched-tokens", "48"],
     )
     try:
@@ -63,8 +64,12 @@ def test_pp2_matches_greedy_with_chunked_prefill_prefix_caching_and_preemption(
         answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=40))
         stats = asyncio.run(suite.wait_idle())
         log = suite.workers[0].log_tail(400)
+        attached = [r for r in suite.log_records("scheduler") if r.get("event") == "worker attached"]
     finally:
         suite.stop()
+    # Micro-batched, the worker asks for a step in flight per stage, each of requests no other one holds.
+    micro = micro_batching == "--pipeline-micro-batching"
+    assert [(r["steps_in_flight"], r["micro_batched"]) for r in attached] == [(2, micro)]
     assert stats.num_preemptions > 0, "the KV cache was not small enough to force preemption"
     assert stats.prefix_cache_hits > 0, "no prompt reused the common prefix's blocks"
     # Both stages loaded only their own layers.
@@ -112,6 +117,18 @@ def test_uneven_partition_with_logprobs_and_a_grammar_sampled_on_the_last_stage(
     assert phone.finish_reason == sampling_pb2.FINISH_REASON_STOP and re.fullmatch(pattern, phone.text), phone.text
     assert len(logprobs) == 12 and all(lp <= 0.0 for lp in logprobs) and any(lp < 0.0 for lp in logprobs)
     assert '"layers": "0-2"' in log and '"layers": "3-3"' in log, log
+
+
+def test_pp2_verifies_prompt_lookup_drafts_on_the_last_stage(four_layer_model: Path, tmp_path: Path) -> None:
+    # Every rank keeps the drafts the sampling rank's rows confirm: the answers are plain greedy decoding's.
+    prompts = [[5, 6, 7, 8, 9] * 6, [300, 301, 302] * 8, list(range(20, 60))]
+    spec = ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 4}']
+    suite = start_suite(four_layer_model, tmp_path, worker_args=_pp_args(2), scheduler_args=spec)
+    try:
+        answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=24))
+    finally:
+        suite.stop()
+    assert [a.token_ids for a in answers] == [transformers_greedy(four_layer_model, p, 24) for p in prompts]
 
 
 def test_pp2_across_two_nodes_on_loopback(four_layer_model: Path, tmp_path: Path) -> None:
@@ -218,9 +235,14 @@ def test_pp2_matches_pp1_on_smollm2(smollm2_dir: Path, tmp_path: Path) -> None:
     prompts = [tokenizer.encode_chat([{"role": "user", "content": q}]) for q in questions]
     answers = {}
     for pp in (1, 2):
-        suite = start_suite(smollm2_dir, tmp_path / f"pp{pp}", worker_args=_pp_args(pp, kv_cache_memory="256MiB"))
+        # 16-token steps: the chat prompts (~30 tokens) prefill in chunks; their common system prompt hits
+        # the prefix cache; two micro-batches in flight on PP=2.
+        suite = start_suite(smollm2_dir, tmp_path / f"pp{pp}", worker_args=_pp_args(pp, kv_cache_memory="256MiB"),
+                            scheduler_args=["--max-num-batched-tokens", "16"])  # fmt: skip
         try:
             answers[pp] = [a.token_ids for a in asyncio.run(greedy_token_answers(suite.address, prompts, 24))]
+            stats = asyncio.run(suite.wait_idle())
         finally:
             suite.stop()
+        assert stats.prefix_cache_hits > 0
     assert answers[2] == answers[1]

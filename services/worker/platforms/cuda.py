@@ -29,7 +29,7 @@ class CudaPlatform(TorchAcceleratorPlatform):
         if local_rank >= count:
             raise DeviceUnavailableError(
                 f"rank {local_rank} needs cuda:{local_rank} but only {count} CUDA device(s) are visible; "
-                "lower --tensor-parallel-size or widen CUDA_VISIBLE_DEVICES"
+                "lower --tensor-parallel-size (or --pipeline-parallel-size) or widen CUDA_VISIBLE_DEVICES"
             )
         self._runtime = torch.cuda
         self._ops = ReferenceOps(HND)

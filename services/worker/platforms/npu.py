@@ -244,7 +244,8 @@ class NpuPlatform(TorchAcceleratorPlatform):
             raise DeviceUnavailableError(
                 f"rank {local_rank} needs npu:{local_rank} but only {probe.device_count} NPU device(s) are "
                 f"visible ({VISIBLE_DEVICES_ENV}={visible if visible is not None else 'unset'}); check "
-                f"`npu-smi info`, widen {VISIBLE_DEVICES_ENV} or lower --tensor-parallel-size"
+                f"`npu-smi info`, widen {VISIBLE_DEVICES_ENV} or lower --tensor-parallel-size (or "
+                "--pipeline-parallel-size)"
             )
         self._runtime: Any = _npu_runtime()
         self._ops = NpuOps(module)
