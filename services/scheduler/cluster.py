@@ -149,7 +149,7 @@ class Cluster:
             max_num_batched_tokens=worker.planner.max_num_batched_tokens,
             # Steps kept in flight on it (one per pipeline stage when micro-batched).
             steps_in_flight=worker.depth,
-            micro_batched=worker.planner.micro_batched,
+            micro_batches=worker.planner.micro_batches,
         )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             own, reported = getattr(s, name), getattr(hello, name)

@@ -95,7 +95,7 @@ class WorkerLoop:
             kv_store=kv_store,
             long_prefill_token_threshold=long_prefill_token_threshold,
             speculation=speculation,
-            micro_batched=hello.step_slots > 1,
+            micro_batches=max(1, hello.step_slots),
         )
         # A pipelined worker runs one step per stage at once: keep every stage busy.
         return cls(hello=hello, planner=planner, depth=max(depth, hello.step_slots))

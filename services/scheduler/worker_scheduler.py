@@ -141,7 +141,7 @@ class WorkerScheduler:
         kv_store: KVStoreUse | None = None,
         long_prefill_token_threshold: int = 0,
         speculation: SpeculativeConfig | None = None,
-        micro_batched: bool = False,
+        micro_batches: int = 1,
     ) -> None:
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
@@ -155,9 +155,10 @@ class WorkerScheduler:
         self.listener = listener
         self.kv_store = kv_store
         self.speculation = speculation
-        # Steps in flight are micro-batches of disjoint requests (a pipeline-parallel worker runs one per stage
-        # at once, and a request's next step needs the token its last one samples on the last stage).
-        self.micro_batched = micro_batched
+        # Above 1: steps in flight are this many micro-batches of disjoint requests (a pipeline-parallel worker
+        # runs one per stage at once, and a request's next step needs the token its last one samples on the
+        # last stage), each taking its share of the running requests so every stage gets as much work.
+        self.micro_batches = micro_batches
         self.kv = KVCacheManager(num_blocks, block_size, enable_prefix_caching, max_model_len)
         # Admission order: the last one is the newest and the first to be preempted.
         self.running: list[Request] = []
@@ -186,6 +187,11 @@ class WorkerScheduler:
         self.num_drafts = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
+
+    @property
+    def micro_batched(self) -> bool:
+        """Whether steps in flight hold disjoint requests."""
+        return self.micro_batches > 1
 
     @property
     def num_running(self) -> int:
@@ -218,8 +224,9 @@ class WorkerScheduler:
         planned_running: list[_Planned] = []
         preempted = False
 
+        share = -(-len(self.running) // self.micro_batches)
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and budget > 0 and len(planned_running) < share:
             request = self.running[i]
             num_new = self._chunk(request.num_tokens_with_pending - request.num_computed_tokens, budget)
             if (

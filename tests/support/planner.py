@@ -17,7 +17,7 @@ def make_planner(
     caching: bool = True,
     kv_store: KVStoreUse | None = None,
     speculation: SpeculativeConfig | None = None,
-    micro_batched: bool = False,
+    micro_batches: int = 1,
 ) -> WorkerScheduler:
     """A planner for worker "w0" with a 256-token max_model_len."""
     return WorkerScheduler(
@@ -31,5 +31,5 @@ def make_planner(
         waiting=WaitingQueue() if waiting is None else waiting,
         kv_store=kv_store,
         speculation=speculation,
-        micro_batched=micro_batched,
+        micro_batches=micro_batches,
     )

@@ -71,7 +71,7 @@ def _eos_after(n: int) -> Callable[[list[int]], int]:
 def _outputs(micro: bool, slots: int, num_blocks: int, next_token: Callable[[list[int]], int]) -> tuple:
     waiting = WaitingQueue()
     sched = make_planner(waiting, num_blocks=num_blocks, max_num_seqs=6, max_num_batched_tokens=24,
-                         micro_batched=micro)  # fmt: skip
+                         micro_batches=slots if micro else 1)  # fmt: skip
     reqs = [_req(f"r{i}", list(range(10 + i, 20 + 4 * i)), max_tokens=9) for i in range(8)]
     for r in reqs:
         waiting.append(r)
@@ -100,7 +100,7 @@ def test_micro_batches_are_disjoint_and_give_the_serial_tokens(slots: int, eos_a
 
 def test_a_request_in_flight_is_not_planned_again_until_it_answers() -> None:
     waiting = WaitingQueue()
-    sched = make_planner(waiting, micro_batched=True)
+    sched = make_planner(waiting, micro_batches=2)
     a, b = _req("a", list(range(1, 10)), 4), _req("b", list(range(20, 26)), 4)
     waiting.append(a)
     first = sched.schedule()
@@ -129,7 +129,7 @@ def test_without_micro_batches_async_scheduling_plans_on_top() -> None:
 def test_an_abort_while_steps_are_out_frees_the_request_and_the_rest_finish() -> None:
     serial, _, _ = _outputs(False, 1, 64, default_next_token)
     waiting = WaitingQueue()
-    sched = make_planner(waiting, max_num_seqs=6, max_num_batched_tokens=24, micro_batched=True)
+    sched = make_planner(waiting, max_num_seqs=6, max_num_batched_tokens=24, micro_batches=3)
     reqs = [_req(f"r{i}", list(range(10 + i, 20 + 4 * i)), max_tokens=9) for i in range(8)]
     for r in reqs:
         waiting.append(r)
@@ -154,7 +154,7 @@ def test_an_abort_while_steps_are_out_frees_the_request_and_the_rest_finish() ->
 
 def test_a_failed_step_frees_its_requests_from_flight() -> None:
     waiting = WaitingQueue()
-    sched = make_planner(waiting, micro_batched=True)
+    sched = make_planner(waiting, micro_batches=2)
     a = _req("a", list(range(1, 10)), 4)
     waiting.append(a)
     step = sched.schedule()
@@ -170,9 +170,9 @@ def test_the_workers_step_slots_set_the_depth_and_micro_batching() -> None:
         return WorkerLoop.create(hello, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64,
                                  enable_prefix_caching=True, depth=2)  # fmt: skip
 
-    assert (loop(0).depth, loop(0).planner.micro_batched) == (2, False)
-    assert (loop(1).depth, loop(1).planner.micro_batched) == (2, False)
-    assert (loop(4).depth, loop(4).planner.micro_batched) == (4, True)
+    assert (loop(0).depth, loop(0).planner.micro_batches) == (2, 1)
+    assert (loop(1).depth, loop(1).planner.micro_batches) == (2, 1)
+    assert (loop(4).depth, loop(4).planner.micro_batches) == (4, 4)
 
 
 def test_a_worker_asking_for_too_many_step_slots_is_refused() -> None:
@@ -184,3 +184,15 @@ def test_a_worker_asking_for_too_many_step_slots_is_refused() -> None:
     assert info.value.field == "step_slots"
     hello.step_slots = MAX_STEP_SLOTS
     cluster.check_hello(hello)
+
+
+def test_each_micro_batch_takes_its_share_of_the_running_requests() -> None:
+    waiting = WaitingQueue()
+    sched = make_planner(waiting, max_num_seqs=8, max_num_batched_tokens=64, micro_batches=2)
+    for i in range(8):
+        waiting.append(_req(f"r{i}", [10 + i, 11 + i, 12 + i], max_tokens=12))
+    steps = run_micro_batched(sched, FakeWorker(), 2)
+    sizes = [len(s.new_requests) + len(s.scheduled) for s in steps]
+    # All eight join in one step; from then on the two stages each get half of them, step after step.
+    assert sizes[0] == 8
+    assert set(sizes[1:-2]) == {4}, sizes
