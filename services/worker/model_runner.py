@@ -29,7 +29,7 @@ from services.worker.layers.attention import AttentionMetadata
 from services.worker.layers.linear import pack_linears, quantize_matmuls, release_quantized_weights
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
-from services.worker.pipeline_partition import StageLayers, partition_layers
+from services.worker.pipeline_partition import StageLayers, partition_model
 from services.worker.platforms import Platform, get_platform
 from services.worker.sampler import Sampled, Sampler, SampleRequest
 from services.worker.startup_error import StartupError
@@ -227,13 +227,11 @@ class ModelRunner:
         pp, tp = self.config.pipeline_parallel_size, self.config.tensor_parallel_size
         rank = 0 if self._dist_init is None else self._dist_init.rank
         try:
-            stages = partition_layers(
+            stages = partition_model(
                 arch.num_layers,
                 pp,
                 layer_params=arch.layer_params,
-                embed_params=arch.embedding_params,
-                # The final norm's weights are a rounding error beside the head's.
-                head_params=arch.embedding_params,
+                vocab_params=arch.embedding_params,
                 override=self.config.pp_layer_partition,
             )
         except ValueError as err:

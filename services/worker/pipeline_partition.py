@@ -1,4 +1,4 @@
-"""Which decoder layers each pipeline stage runs: contiguous spans balanced by parameter count (pure Python)."""
+"""Which decoder layers each pipeline stage runs: contiguous spans of balanced cost (pure Python)."""
 
 from __future__ import annotations
 
@@ -38,17 +38,17 @@ def partition_layers(
     num_layers: int,
     num_stages: int,
     *,
-    layer_params: int,
-    embed_params: int,
-    head_params: int,
+    layer_cost: int,
+    first_stage_cost: int,
+    last_stage_cost: int,
     override: Sequence[int] | None = None,
 ) -> list[StageLayers]:
     """Split num_layers into num_stages contiguous spans.
 
-    Without an override (--pp-layer-partition) the spans minimise the largest stage's parameter count, the
-    embedding counted on the first stage and the final norm and LM head on the last: each stage's weights
-    are its memory, and the largest sets how much KV cache the ranks can agree on. Of equal splits, the one
-    whose earlier stages hold more layers wins (as vLLM's): the last stage also computes logits and samples."""
+    Without an override (--pp-layer-partition) the spans minimise the largest stage's cost: layer_cost for
+    each decoder layer, plus first_stage_cost on the first stage and last_stage_cost on the last (what the
+    embedding and the LM head add there). Of equal splits, the one whose earlier stages hold more layers
+    wins (as vLLM's): the last stage also samples."""
     if num_stages < 1:
         raise ValueError(f"--pipeline-parallel-size must be >= 1, got {num_stages}")
     if num_stages > num_layers:
@@ -56,16 +56,28 @@ def partition_layers(
             f"--pipeline-parallel-size {num_stages} exceeds the model's num_hidden_layers={num_layers}: every stage "
             f"needs at least one layer; pick at most {num_layers}"
         )
-    counts = list(override) if override is not None else _balanced(num_layers, num_stages, layer_params,
-                                                                    embed_params, head_params)  # fmt: skip
     if override is not None:
+        counts = list(override)
         _check_override(counts, num_layers, num_stages)
+    else:
+        counts = _balanced(num_layers, num_stages, layer_cost, first_stage_cost, last_stage_cost)
     stages = []
     start = 0
     for index, count in enumerate(counts):
         stages.append(StageLayers(index, num_stages, start, start + count))
         start += count
     return stages
+
+
+def partition_model(
+    num_layers: int, num_stages: int, *, layer_params: int, vocab_params: int, override: Sequence[int] | None = None
+) -> list[StageLayers]:
+    """A decoder's stages, balanced by the weights each token's matmuls read: they set a stage's time per step,
+    and the slowest stage sets the pipeline's pace (the others wait for it). The embedding (vocab_params on
+    the first stage) is a lookup and costs nothing; the LM head (as many on the last) is a GEMM. Balancing
+    parameters instead, embedding counted, left SmolLM2's last stage the bottleneck (docs/benchmarks.md)."""
+    return partition_layers(num_layers, num_stages, layer_cost=layer_params, first_stage_cost=0,
+                            last_stage_cost=vocab_params, override=override)  # fmt: skip
 
 
 def _check_override(counts: list[int], num_layers: int, num_stages: int) -> None:
@@ -84,12 +96,11 @@ def _check_override(counts: list[int], num_layers: int, num_stages: int) -> None
         )
 
 
-def _balanced(num_layers: int, num_stages: int, layer_params: int, embed_params: int, head_params: int) -> list[int]:
-    """Layer counts per stage minimising the largest stage's parameters (exact, by dynamic programming)."""
+def _balanced(num_layers: int, num_stages: int, layer: int, first: int, last: int) -> list[int]:
+    """Layer counts per stage minimising the largest stage's cost (exact, by dynamic programming)."""
 
     def cost(stage: int, count: int) -> int:
-        extra = (embed_params if stage == 0 else 0) + (head_params if stage == num_stages - 1 else 0)
-        return count * layer_params + extra
+        return count * layer + (first if stage == 0 else 0) + (last if stage == num_stages - 1 else 0)
 
     # best[s][n]: (largest stage cost, counts) placing the first n layers on stages 0..s.
     best: list[dict[int, tuple[int, list[int]]]] = [{n: (cost(0, n), [n]) for n in range(1, num_layers + 1)}]

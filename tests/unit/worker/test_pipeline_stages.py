@@ -12,7 +12,7 @@ import torch
 from services.worker.kv_cache import KVCache
 from services.worker.layers.attention import AttentionMetadata
 from services.worker.models.llama import LlamaArch, LlamaDecoderLayer, LlamaForCausalLM
-from services.worker.pipeline_partition import StageLayers, partition_layers
+from services.worker.pipeline_partition import StageLayers, partition_layers, partition_model
 from services.worker.platforms import get_platform
 from services.worker.precision import parse_precision
 from services.worker.weights import iter_weights, load_hf_config, resolve_model_path
@@ -58,8 +58,7 @@ def test_chained_stages_compute_what_the_whole_model_does(model_dir: Path) -> No
     whole = _model(model_dir, None)
     expected, _ = _run(whole, tokens, None)
     arch: LlamaArch = whole.arch
-    stages = partition_layers(arch.num_layers, 3, layer_params=arch.layer_params,
-                              embed_params=arch.embedding_params, head_params=arch.embedding_params)  # fmt: skip
+    stages = partition_model(arch.num_layers, 3, layer_params=arch.layer_params, vocab_params=arch.embedding_params)
     carried = None
     for stage in stages:
         hidden, residual = _run(_model(model_dir, stage), tokens, carried)
@@ -75,8 +74,8 @@ def test_chained_stages_compute_what_the_whole_model_does(model_dir: Path) -> No
 
 
 def test_each_stage_holds_only_its_own_weights(model_dir: Path) -> None:
-    first, last = (_model(model_dir, s) for s in partition_layers(5, 2, layer_params=10, embed_params=0,
-                                                                  head_params=0))  # fmt: skip
+    first, last = (_model(model_dir, s) for s in partition_layers(5, 2, layer_cost=10, first_stage_cost=0,
+                                                                  last_stage_cost=0))  # fmt: skip
     assert sorted(first.model.layers.keys(), key=int) == ["0", "1", "2"]
     assert sorted(last.model.layers.keys(), key=int) == ["3", "4"]
     assert first.model.embed_tokens is not None and first.model.norm is None and first.lm_head is None
