@@ -8,21 +8,18 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
 from services.client.client import GenerationClient, build_request, sampling_params
-from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
-from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import Answer, greedy_token_answers, stream
 from tests.support.suite import start_suite
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
+from tests.support.worker_ranks import spawned_ranks, two_node_greedy, worker_startup_error
 
 # Exact equality across layouts needs fp32 (a TP all-reduce sums in another order than one GEMM).
 FP32 = ["--precision", "fp32-fp32-fp32"]
@@ -134,32 +131,8 @@ def test_pp2_verifies_prompt_lookup_drafts_on_the_last_stage(four_layer_model: P
 def test_pp2_across_two_nodes_on_loopback(four_layer_model: Path, tmp_path: Path) -> None:
     """--nnodes 2 with one rank each: node 0 runs stage 0 and attaches, node 1 (its own command) runs stage 1."""
     prompts = [[5, 6, 7, 8, 9], list(range(20, 90))]
-    multi = [*_pp_args(2), "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}"]
-    launcher = Launcher(tmp_path, env={"MESHSERVE_LOG_FORMAT": "json"})
-    try:
-        procs = start_suite_processes(
-            launcher,
-            model=str(four_layer_model),
-            host="127.0.0.1",
-            scheduler_port=free_port(),
-            worker_ports=[free_port()],
-            gateway_port=free_port(),
-            worker_args=[*multi, "--node-rank", "0"],
-        )
-        node1_port = free_port()
-        node1 = launcher.start(
-            "worker-node1",
-            ["worker", "--host", "127.0.0.1", "--port", str(node1_port), "--model", str(four_layer_model),
-             *multi, "--node-rank", "1"],
-            f"127.0.0.1:{node1_port}",
-        )  # fmt: skip
-        asyncio.run(wait_all_healthy(launcher, [*procs.all, node1], 300))
-        answers = asyncio.run(greedy_token_answers(procs.gateway.address, prompts, 12))
-        assert [a.token_ids for a in answers] == [transformers_greedy(four_layer_model, p, 12) for p in prompts]
-        launcher.stop(procs.workers[0])
-        assert node1.process.wait(timeout=60) == 0, node1.log_tail()
-    finally:
-        launcher.stop_all(timeout=10)
+    answers = two_node_greedy(four_layer_model, tmp_path, _pp_args(2), prompts, 12)
+    assert answers == [transformers_greedy(four_layer_model, p, 12) for p in prompts]
 
 
 def test_a_killed_stage_rank_stops_its_worker_and_requests_finish_on_another(
@@ -177,7 +150,7 @@ def test_a_killed_stage_rank_stops_its_worker_and_requests_finish_on_another(
                 ]
                 await suite.wait_running("worker-0")
                 worker = suite.workers[0]
-                (stage1,) = _spawned_ranks(worker.process.pid)
+                (stage1,) = spawned_ranks(worker.process.pid)
                 os.kill(stage1, signal.SIGKILL)
                 # The worker must not hang in a pipeline hop: it exits for its supervisor to restart it.
                 assert await asyncio.to_thread(worker.process.wait, 60) == 1
@@ -195,24 +168,6 @@ def test_a_killed_stage_rank_stops_its_worker_and_requests_finish_on_another(
         assert answer.token_ids == transformers_greedy(four_layer_model, prompt, 200)
 
 
-def _spawned_ranks(pid: int) -> list[int]:
-    """The worker's rank processes (multiprocessing's spawn_main; a resource tracker may be a child too)."""
-    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
-def _worker_startup_error(model_dir: Path, *args: str) -> str:
-    """Run a worker that must refuse to start; returns its stderr."""
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "worker", "--model", str(model_dir), "--port", "0",
-         "--scheduler-address", "127.0.0.1:9", "--device", "cpu", *args],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    return done.stderr
-
-
 @pytest.mark.parametrize(
     ("args", "message"),
     [
@@ -225,7 +180,7 @@ def _worker_startup_error(model_dir: Path, *args: str) -> str:
 def test_a_pipeline_that_cannot_split_the_model_is_refused(
     four_layer_model: Path, args: list[str], message: str
 ) -> None:
-    assert message in _worker_startup_error(four_layer_model, *args)
+    assert message in worker_startup_error(four_layer_model, "--device", "cpu", *args)
 
 
 @pytest.mark.slow

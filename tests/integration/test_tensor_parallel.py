@@ -5,21 +5,18 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
-from services.common.ports import free_port
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import Answer, greedy_token_answers
 from tests.support.devices import device_params
 from tests.support.suite import start_suite
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
+from tests.support.worker_ranks import spawned_ranks, two_node_greedy, worker_startup_error
 
 DEVICES = device_params(min_cuda_devices=2)
 # Exact equality across TP sizes needs fp32: the all-reduce sums in a different order than one GEMM.
@@ -83,12 +80,9 @@ def test_a_dead_rank_stops_the_worker(one_kv_head_model: Path, tmp_path: Path) -
     suite = start_suite(one_kv_head_model, tmp_path, worker_args=[*_device_args("cpu"), "--tensor-parallel-size", "2"])
     try:
         worker = suite.workers[0]
-        pid = worker.process.pid
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        # Spawned ranks run multiprocessing's spawn_main (a resource tracker may be a child too).
-        ranks = [c for c in children if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        ranks = spawned_ranks(worker.process.pid)
         assert len(ranks) == 1, "rank 1 should run as a child process of the worker"
-        os.kill(int(ranks[0]), signal.SIGKILL)
+        os.kill(ranks[0], signal.SIGKILL)
         # The worker must not hang in a collective: it exits so an orchestrator restarts it.
         assert worker.process.wait(timeout=30) == 1
         assert "tensor_parallel_rank_died" in worker.log_tail(80)
@@ -96,64 +90,27 @@ def test_a_dead_rank_stops_the_worker(one_kv_head_model: Path, tmp_path: Path) -
         suite.stop()
 
 
-def _worker_startup_error(model_dir: Path, *args: str) -> str:
-    """Run a worker that must refuse to start; returns its stderr."""
-    done = subprocess.run(
-        [sys.executable, "-m", "services.cli", "worker", "--model", str(model_dir), "--port", "0",
-         "--scheduler-address", "127.0.0.1:9", "--log-format", "json", *args],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert done.returncode == 1, done.stderr
-    assert "Traceback" not in done.stderr
-    return done.stderr
-
-
 def test_tp_size_that_cannot_split_the_model_is_refused(one_kv_head_model: Path) -> None:
     started = time.monotonic()
-    err = _worker_startup_error(one_kv_head_model, "--device", "cpu", "--tensor-parallel-size", "3")
+    err = worker_startup_error(one_kv_head_model, "--device", "cpu", "--tensor-parallel-size", "3")
     assert "--tensor-parallel-size 3 exceeds the model's num_key_value_heads=1" in err
     assert time.monotonic() - started < 100
 
 
 def test_npu_without_cann_names_the_fix(one_kv_head_model: Path) -> None:
-    err = _worker_startup_error(one_kv_head_model, "--device", "npu")
+    err = worker_startup_error(one_kv_head_model, "--device", "npu")
     assert "source /usr/local/Ascend/ascend-toolkit/set_env.sh" in err
     assert "npu-smi info" in err
 
 
 def test_kv_cache_too_small_names_the_flags(one_kv_head_model: Path) -> None:
-    err = _worker_startup_error(one_kv_head_model, "--device", "cpu", "--kv-cache-memory", "64KiB")
+    err = worker_startup_error(one_kv_head_model, "--device", "cpu", "--kv-cache-memory", "64KiB")
     assert "lower --max-model-len, --max-num-seqs or --max-num-batched-tokens" in err
 
 
 def test_two_nodes_on_loopback_match_one(one_kv_head_model: Path, tmp_path: Path) -> None:
     """--nnodes 2: node 0 attaches and leads, node 1 (a separate worker command) only follows."""
     prompts = [[5, 6, 7, 8, 9], list(range(20, 90))]
-    rendezvous = f"127.0.0.1:{free_port()}"
-    multi = ["--tensor-parallel-size", "2", "--nnodes", "2", "--dist-init-addr", rendezvous, *FP32]
-    launcher = Launcher(tmp_path, env={"MESHSERVE_LOG_FORMAT": "json"})
-    try:
-        procs = start_suite_processes(
-            launcher,
-            model=str(one_kv_head_model),
-            host="127.0.0.1",
-            scheduler_port=free_port(),
-            worker_ports=[free_port()],
-            gateway_port=free_port(),
-            worker_args=[*_device_args("cpu"), *multi, "--node-rank", "0"],
-        )
-        node1_port = free_port()
-        node1 = launcher.start(
-            "worker-node1",
-            ["worker", "--host", "127.0.0.1", "--port", str(node1_port), "--model", str(one_kv_head_model),
-             *_device_args("cpu"), *multi, "--node-rank", "1"],
-            f"127.0.0.1:{node1_port}",
-        )  # fmt: skip
-        asyncio.run(wait_all_healthy(launcher, [*procs.all, node1], 300))
-        answers = asyncio.run(greedy_token_answers(procs.gateway.address, prompts, 12))
-        assert [a.token_ids for a in answers] == [transformers_greedy(one_kv_head_model, p, 12) for p in prompts]
-        # Stopping node 0 shuts the group down; node 1 follows it out cleanly.
-        launcher.stop(procs.workers[0])
-        assert node1.process.wait(timeout=60) == 0, node1.log_tail()
-    finally:
-        launcher.stop_all(timeout=10)
+    args = [*_device_args("cpu"), "--tensor-parallel-size", "2", *FP32]
+    answers = two_node_greedy(one_kv_head_model, tmp_path, args, prompts, 12)
+    assert answers == [transformers_greedy(one_kv_head_model, p, 12) for p in prompts]
