@@ -97,8 +97,9 @@ class _Scheduled:
 class _InPipeline:
     """A step this rank ran whose tokens rank 0 has not yet announced (pipelined stages only)."""
 
-    # id() of each of its requests' CachedRequest: none of them may be in another step until it is announced.
-    requests: set[int]
+    # Its requests by id(): none of them may be in another step until it is announced. The objects are held
+    # here, so a removed request's id() is not reused by a new one while the step is on the pipeline.
+    requests: dict[int, CachedRequest]
     # The rows it samples, per request; the sampling rank also keeps the ids it sampled.
     sample_work: list[tuple[_Scheduled, int]] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
@@ -399,7 +400,7 @@ class ModelRunner:
                 self._left(removed, "removed")
         work = self._apply(step)
         if self.pipelined and work:
-            self._in_pipeline[step.step_id] = _InPipeline({id(item.request) for item in work})
+            self._in_pipeline[step.step_id] = _InPipeline({id(item.request): item.request for item in work})
         result = worker_pb2.StepResult(step_id=step.step_id)
         if work:
             self._run(work, result, step.step_id)
