@@ -33,6 +33,7 @@ from services.worker.attach import StepRejected
 from services.worker.cpu_binding import apply_binding, format_cpulist
 from services.worker.distributed import DistInit, destroy_groups
 from services.worker.engine_config import EngineConfig
+from services.worker.host_allocator import retain_freed_memory
 from services.worker.model_runner import ModelRunner
 from services.worker.startup_error import StartupError
 
@@ -61,7 +62,9 @@ class RankSpec:
 
 
 def prepare_rank(config: EngineConfig, local_rank: int, ranks_per_node: int, cpu_binding: str) -> None:
-    """Pin the rank to its CPUs and size its thread pool, before torch starts any threads."""
+    """Pin the rank to its CPUs, size its thread pool (before torch starts any threads) and keep the host
+    allocator's freed memory for the next step."""
+    retain_freed_memory()
     device = config.device
     binding = apply_binding(cpu_binding, device_type=device, local_rank=local_rank, ranks_per_node=ranks_per_node)
     log.info("cpu_binding", cpus=format_cpulist(binding.cpus), source=binding.source, reason=binding.reason)

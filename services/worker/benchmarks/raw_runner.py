@@ -12,6 +12,7 @@ from services.client.bench.datasets import BenchRequest
 from services.client.bench.records import RequestRecord
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
+from services.worker.host_allocator import retain_freed_memory
 from services.worker.kv_cache import bytes_per_block
 from services.worker.model_runner import ModelRunner
 from services.worker.models.llama import LlamaArch
@@ -69,6 +70,8 @@ def make_runner(model_dir: Path, requests: list[BenchRequest], batch_size: int, 
         max_num_batched_tokens=sum(prompts[:batch_size]) + batch_size,
         max_num_seqs=batch_size,
     )
+    # As a worker process runs its model (tp_ranks.prepare_rank).
+    retain_freed_memory()
     return ModelRunner(config)
 
 

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import QUANTIZATIONS, EngineConfig
+from services.worker.host_allocator import retain_freed_memory
 from services.worker.model_runner import ModelRunner
 
 BLOCK_SIZE = 16
@@ -43,6 +44,8 @@ def _kind(name: str) -> str:
 
 def _runner(model_dir: Path, dtype: str, batch: int, steps: int, quantization: str | None) -> ModelRunner:
     max_len = PROMPT_LEN + steps + 2
+    # As a worker process runs its model (tp_ranks.prepare_rank).
+    retain_freed_memory()
     return ModelRunner(
         EngineConfig(
             model_path=str(model_dir),
