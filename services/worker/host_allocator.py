@@ -43,7 +43,7 @@ def retain_freed_memory() -> bool:
     if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         log.info("host_allocator_left_alone", reason="GLIBC_TUNABLES sets malloc")
         return False
-    if not hasattr(os, "confstr") or not _is_glibc():
+    if not _is_glibc():
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     threshold = MMAP_THRESHOLD_BYTES
@@ -58,6 +58,8 @@ def retain_freed_memory() -> bool:
 
 
 def _is_glibc() -> bool:
+    if not hasattr(os, "confstr"):
+        return False
     try:
         return os.confstr("CS_GNU_LIBC_VERSION") is not None
     except (ValueError, OSError):
