@@ -41,8 +41,8 @@ from services.worker.distributed import DistInit, destroy_groups  # noqa: E402
 from services.worker.engine_config import EngineConfig  # noqa: E402
 from services.worker.model_runner import ModelRunner  # noqa: E402
 from services.worker.pipeline_driver import PipelineDriver  # noqa: E402
+from services.worker.ranks import Command, prepare_rank, send_command, serve_commands  # noqa: E402
 from services.worker.settings import parse_layer_partition  # noqa: E402
-from services.worker.tp_ranks import Command, prepare_rank, send_command, serve_commands  # noqa: E402
 
 BLOCK_SIZE = 16
 WARMUP_ROUNDS = 4

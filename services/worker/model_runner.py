@@ -147,7 +147,7 @@ class ModelRunner:
         self.sampling_rank = (config.pipeline_parallel_size - 1) * config.tensor_parallel_size
         self.samples = self.ranks.rank == self.sampling_rank
         # Pipelined stages: each stage works on a different step (micro-batch) at once; a step's tokens reach
-        # rank 0 from the sampling rank and every other rank with a later command (services/worker/tp_ranks.py).
+        # rank 0 from the sampling rank and every other rank with a later command (services/worker/ranks.py).
         self.pipelined = config.pipeline_parallel_size > 1 and config.pipeline_micro_batching
         self._in_pipeline: dict[int, _InPipeline] = {}
         self.max_model_len: int = max_model_len

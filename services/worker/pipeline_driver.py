@@ -21,7 +21,7 @@ import structlog
 
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.worker.model_runner import SAMPLING_FAILED, ModelRunner
-from services.worker.tp_ranks import Command, Finished, TensorParallelDriver, send_command
+from services.worker.ranks import Command, Finished, RankDriver, send_command
 
 log = structlog.get_logger()
 # How long close() waits for the answer thread once the sampling rank said goodbye.
@@ -40,7 +40,7 @@ class _Launched:
     ready: threading.Event = field(default_factory=threading.Event)
 
 
-class PipelineDriver(TensorParallelDriver):
+class PipelineDriver(RankDriver):
     """Rank 0's step executor for pipelined stages: launch() returns the step's future at once."""
 
     def __init__(self, runner: ModelRunner, processes: list[BaseProcess], stopping: threading.Event) -> None:

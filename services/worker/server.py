@@ -87,8 +87,8 @@ async def serve(settings: WorkerSettings) -> int:
     # torch loads only in the process that runs the model, after logging is set up.
     from services.worker.distributed import DistInit
     from services.worker.platforms import resolve_device
+    from services.worker.ranks import RankSpec, prepare_rank, spawn_local_ranks
     from services.worker.startup_error import StartupError
-    from services.worker.tp_ranks import RankSpec, prepare_rank, spawn_local_ranks
 
     try:
         device = resolve_device(settings.device)
@@ -182,11 +182,11 @@ async def _serve_driver(
 ) -> int:
     """Rank 0: attach to the scheduler and run its steps on every rank."""
     from services.worker.pipeline_driver import PipelineDriver
-    from services.worker.tp_ranks import TensorParallelDriver, watch_ranks
+    from services.worker.ranks import RankDriver, watch_ranks
 
     stopping = threading.Event()
     executor: StepExecutor = runner
-    driver: TensorParallelDriver | None = None
+    driver: RankDriver | None = None
     step_slots = 0
     if runner.pipelined:
         pipeline = PipelineDriver(runner, processes, stopping)
@@ -195,7 +195,7 @@ async def _serve_driver(
         watch_ranks(processes, stopping)
     else:
         if runner.ranks.size > 1:
-            driver = executor = TensorParallelDriver(runner, processes, stopping)
+            driver = executor = RankDriver(runner, processes, stopping)
             watch_ranks(processes, stopping)
         executor = MeteredExecutor(executor, metrics, runner)
     hello = worker_pb2.WorkerHello(
@@ -299,7 +299,7 @@ async def _serve_follower(
 ) -> int:
     """First rank of a non-zero node: follow rank 0's commands until it shuts the group down."""
     from services.worker.distributed import destroy_groups
-    from services.worker.tp_ranks import serve_commands
+    from services.worker.ranks import serve_commands
 
     await service.set_serving(True)
     following = asyncio.get_running_loop().run_in_executor(model_thread, serve_commands, runner)

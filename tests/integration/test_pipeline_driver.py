@@ -17,7 +17,7 @@ from services.worker.distributed import DistInit
 from services.worker.engine_config import EngineConfig
 from services.worker.model_runner import ModelRunner
 from services.worker.pipeline_driver import PipelineDriver
-from services.worker.tp_ranks import RankSpec, spawn_local_ranks
+from services.worker.ranks import RankSpec, spawn_local_ranks
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
 
 GREEDY = sampling_pb2.SamplingParams(temperature=0.0)

@@ -34,7 +34,7 @@ from services.worker.model_runner import ModelRunner
 from services.worker.platforms.base import Ops
 from services.worker.platforms.cpu import CpuPlatform
 from services.worker.platforms.reference_ops import ReferenceOps
-from services.worker.tp_ranks import RankSpec, TensorParallelDriver, spawn_local_ranks
+from services.worker.ranks import RankDriver, RankSpec, spawn_local_ranks
 from tests.support.kvstore import kvstore_launcher, start_kvstore
 from tests.support.tiny_model import make_tiny_model, transformers_greedy
 
@@ -117,7 +117,7 @@ def refs(block_ids: Sequence[int], hashes: Sequence[bytes]) -> list[worker_pb2.K
 class Executor:
     """What the tests drive: a ModelRunner, or rank 0 of a TP group."""
 
-    def __init__(self, target: ModelRunner | TensorParallelDriver) -> None:
+    def __init__(self, target: ModelRunner | RankDriver) -> None:
         self.target = target
         self.step_id = 0
         self.loads_done: dict[int, int] = {}
@@ -356,10 +356,10 @@ def test_tp2_group_loads_blocks_a_tp1_runner_saved(
     dist = DistInit(rank=0, world_size=2, local_rank=0, init_method=f"tcp://127.0.0.1:{free_port()}")
     spec = RankSpec(config, dist, ranks_per_node=2, cpu_binding="off", log_level="info", log_format="json")
     processes = spawn_local_ranks(spec, first_rank=0)
-    driver: TensorParallelDriver | None = None
+    driver: RankDriver | None = None
     try:
         runner = ModelRunner(config, dist)
-        driver = TensorParallelDriver(runner, processes, threading.Event())
+        driver = RankDriver(runner, processes, threading.Event())
         assert runner.kv_transfer is not None and runner.kv_transfer.geometry.head_count == 1
         executor = Executor(driver)
         blocks = [11, 4, 8, 0, 2]

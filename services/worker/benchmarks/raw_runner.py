@@ -70,7 +70,7 @@ def make_runner(model_dir: Path, requests: list[BenchRequest], batch_size: int, 
         max_num_batched_tokens=sum(prompts[:batch_size]) + batch_size,
         max_num_seqs=batch_size,
     )
-    # As a worker process runs its model (tp_ranks.prepare_rank).
+    # As a worker process runs its model (ranks.prepare_rank).
     retain_freed_memory()
     return ModelRunner(config)
 

@@ -44,7 +44,7 @@ def _kind(name: str) -> str:
 
 def _runner(model_dir: Path, dtype: str, batch: int, steps: int, quantization: str | None) -> ModelRunner:
     max_len = PROMPT_LEN + steps + 2
-    # As a worker process runs its model (tp_ranks.prepare_rank).
+    # As a worker process runs its model (ranks.prepare_rank).
     retain_freed_memory()
     return ModelRunner(
         EngineConfig(

@@ -235,7 +235,7 @@ def watch_ranks(processes: list[BaseProcess], stopping: threading.Event) -> thre
     return thread
 
 
-class TensorParallelDriver:
+class RankDriver:
     """Rank 0's step executor: every command goes to the other ranks first, then runs here."""
 
     def __init__(self, runner: ModelRunner, processes: list[BaseProcess], stopping: threading.Event) -> None:
