@@ -43,7 +43,7 @@ def retain_freed_memory() -> bool:
     if "malloc" in os.environ.get("GLIBC_TUNABLES", ""):
         log.info("host_allocator_left_alone", reason="GLIBC_TUNABLES sets malloc")
         return False
-    if not _is_glibc():
+    if not is_glibc():
         return False
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     threshold = MMAP_THRESHOLD_BYTES
@@ -57,7 +57,8 @@ def retain_freed_memory() -> bool:
     return True
 
 
-def _is_glibc() -> bool:
+def is_glibc() -> bool:
+    """Whether this process runs on glibc, whose malloc mallopt tunes."""
     if not hasattr(os, "confstr"):
         return False
     try:

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from services.worker.host_allocator import is_glibc
+
 ROOT = Path(__file__).resolve().parents[3]
 PAGES_PER_BLOCK = (48 << 20) // 4096
 
@@ -41,10 +43,7 @@ faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5
 print(json.dumps({"applied": applied, "faults_per_cycle": faults}))
 """
 
-glibc_only = pytest.mark.skipif(
-    sys.platform != "linux" or not hasattr(os, "confstr") or not os.confstr("CS_GNU_LIBC_VERSION"),
-    reason="glibc's malloc",
-)
+glibc_only = pytest.mark.skipif(not is_glibc(), reason="glibc's malloc")
 
 
 def _cycle_faults(mode: str, env: dict[str, str] | None = None) -> dict[str, float]:
