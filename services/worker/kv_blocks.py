@@ -5,9 +5,10 @@ tensor-parallel rank's heads are one contiguous byte range and a block written f
 back into an HND one (and the other way round): the cache layout never reaches the bytes. A rank handles
 its own heads only, as a slice [local_kv_heads][num_layers][2][block_size][head_dim].
 
-Gather and scatter are vectorised over blocks: one index_select / index_copy_ per layer and K/V, never a
-Python loop over tokens. Bytes are the machine's (little-endian on every platform the worker runs on,
-which is what the store's contract says).
+Gather and scatter are vectorised over blocks: when the layers are views of one stacked tensor (the CPU
+cache, kv_cache.KVCache.allocate) one index_select / index_copy_ covers every layer and K/V; otherwise one
+per layer and K/V. Never a Python loop over tokens. Bytes are the machine's (little-endian on every
+platform the worker runs on, which is what the store's contract says).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.kv_store_limits import DTYPE_BYTES
-from services.worker.layers.attention import LAYOUTS, head_major
+from services.worker.layers.attention import HND, LAYOUTS, head_major
 
 # The store's dtype names and the torch dtypes they stand for.
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -75,6 +76,38 @@ class SliceGeometry:
         return count * DTYPE_BYTES[self.dtype_name]
 
 
+def stacked_view(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: str) -> torch.Tensor | None:
+    """Every layer's K and V as one view in the store's canonical order, [num_blocks, Hk, num_layers, 2,
+    block_size, D], when the layers are evenly spaced views of one storage (KVCache.allocate on the CPU);
+    None otherwise.
+
+    Built from the layers' own offsets and strides, it reads and writes exactly the memory the per-layer
+    tensors do, and block i of it is block i's slice: one index_select gathers blocks straight into their
+    canonical bytes, one index_copy_ writes them back.
+    """
+    k0, v0 = layers[0]
+    # Views of one tensor share its _base (a view of a view too); separate tensors have none.
+    base = k0._base
+    tensors = [t for pair in layers for t in pair]
+    if base is None or any(t._base is not base for t in tensors):
+        return None
+    kv_step = v0.storage_offset() - k0.storage_offset()
+    layer_step = layers[1][0].storage_offset() - k0.storage_offset() if len(layers) > 1 else 2 * kv_step
+    # V after K within a layer, layers in order: as_strided takes no negative strides, and other spacings
+    # are not a stacked cache.
+    if kv_step <= 0 or layer_step <= kv_step:
+        return None
+    first = k0.storage_offset()
+    expected = [first + layer * layer_step + kv * kv_step for layer in range(len(layers)) for kv in (0, 1)]
+    if [t.storage_offset() for t in tensors] != expected:
+        return None
+    if len({(t.shape, t.stride(), t.dtype) for t in tensors}) != 1:
+        return None
+    whole = torch.as_strided(k0, (len(layers), 2, *k0.shape), (layer_step, kv_step, *k0.stride()), k0.storage_offset())
+    # [layers, 2, blocks, ...] in the cache's layout -> [blocks, heads, layers, 2, block_size, head_dim].
+    return whole.permute(2, 3, 0, 1, 4, 5) if layout == HND else whole.permute(2, 4, 0, 1, 3, 5)
+
+
 def gather_blocks(
     layers: Sequence[tuple[torch.Tensor, torch.Tensor]],
     block_ids: Sequence[int],
@@ -100,8 +133,15 @@ def gather_blocks(
     if n == 0:
         return out
     device = k0.device
+    whole = stacked_view(layers, layout)
     for start, stop in _staging_groups(n, out[0].numel() * out.element_size(), device):
         index = torch.tensor(block_ids[start:stop], dtype=torch.int64, device=device)
+        if whole is not None:
+            if device.type == "cpu":
+                torch.index_select(whole[:, picked], 0, index, out=out[start:stop])
+            else:
+                out[start:stop].copy_(whole[:, picked].index_select(0, index))
+            continue
         # On a device: gathered there into canonical order, then one device-to-host copy per group.
         on_cpu = device.type == "cpu"
         staged = out[start:stop] if on_cpu else torch.empty_like(out[start:stop], device=device)
@@ -158,9 +198,13 @@ def scatter_blocks(
     if slices.dtype != k0.dtype:
         raise ValueError(f"block slices in {slices.dtype} do not fit a {k0.dtype} cache")
     device = k0.device
+    whole = stacked_view(layers, layout)
     for start, stop in _staging_groups(n, slices[0].numel() * slices.element_size(), device):
         index = torch.tensor(block_ids[start:stop], dtype=torch.int64, device=device)
         staged = slices[start:stop].to(device)
+        if whole is not None:
+            whole.index_copy_(0, index, staged)
+            continue
         for layer, (k_cache, v_cache) in enumerate(layers):
             for kv, cache in enumerate((k_cache, v_cache)):
                 # index_copy_ on the head-major view writes the cache itself, in whichever layout it is.

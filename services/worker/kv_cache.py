@@ -1,4 +1,11 @@
-"""Paged KV cache tensors: per layer K and V blocks in the op table's layout (NHD or HND)."""
+"""Paged KV cache tensors: per layer K and V blocks in the op table's layout (NHD or HND).
+
+On the CPU every layer's K and V are views of one tensor [num_layers, 2, *layer shape], so moving a block
+to or from the kvstore is one indexed copy across all layers (kv_blocks.stacked_view) instead of one per
+layer and K/V: 60 small ops for SmolLM2's 30 layers, ~0.5 ms of the model thread per step that saves. On a
+device each layer keeps an allocation of its own, as its attention kernels expect (a view with a storage
+offset is not something every NPU op takes).
+"""
 
 from __future__ import annotations
 
@@ -36,8 +43,15 @@ class KVCache:
         device: torch.device,
         layout: str = NHD,
     ) -> KVCache:
-        """Allocate zeroed K and V tensors for every layer."""
+        """Allocate zeroed K and V tensors for every layer (views of one tensor on the CPU)."""
         shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout)
+        if device.type == "cpu":
+            stacked = torch.zeros((num_layers, 2, *shape), dtype=dtype, device=device)
+            return cls(
+                layers=[(stacked[layer, 0], stacked[layer, 1]) for layer in range(num_layers)],
+                num_blocks=num_blocks,
+                block_size=block_size,
+            )
         layers = [
             (
                 torch.zeros(shape, dtype=dtype, device=device),

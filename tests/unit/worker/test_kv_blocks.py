@@ -12,6 +12,7 @@ from services.worker.kv_blocks import (
     scatter_blocks,
     slice_bytes,
     slices_from_bytes,
+    stacked_view,
 )
 from services.worker.kv_cache import KVCache
 from services.worker.layers.attention import HND, NHD
@@ -173,3 +174,47 @@ def test_device_staging_is_bounded() -> None:
     assert _staging_groups(10, DEVICE_STAGING_BYTES, torch.device("cpu")) == [(0, 10)]
     assert _staging_groups(5, DEVICE_STAGING_BYTES // 2, torch.device("meta")) == [(0, 2), (2, 4), (4, 5)]
     assert _staging_groups(3, DEVICE_STAGING_BYTES * 4, torch.device("meta")) == [(0, 1), (1, 2), (2, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", [NHD, HND])
+def test_stacked_cache_moves_blocks_in_one_op_with_the_per_layer_result(layout: str, dtype: torch.dtype) -> None:
+    """KVCache.allocate's CPU layers are views of one tensor, so gather and scatter take the one-op path;
+    a cache of separate tensors takes the per-layer one, and both move the same bytes."""
+    heads = 4
+    stacked = _random_cache(layout, dtype, heads=heads, seed=3)
+    separate = [(k.clone(), v.clone()) for k, v in stacked.layers]
+    assert stacked_view(stacked.layers, layout) is not None
+    assert stacked_view(separate, layout) is None
+    # The view is the cache itself: a write through it lands in the layer tensors.
+    whole = stacked_view(stacked.layers, layout)
+    assert whole is not None and whole.shape == (NUM_BLOCKS, heads, LAYERS, 2, BLOCK_SIZE, HEAD_DIM)
+    for layer, (k, v) in enumerate(stacked.layers):
+        assert torch.equal(whole[4, 1, layer, 0, 2], _token(k, layout, 4, 1, 2))
+        assert torch.equal(whole[9, 3, layer, 1, 0], _token(v, layout, 9, 3, 0))
+    blocks = [8, 0, 3, 3]
+    for heads_picked in (None, slice(1, 3)):
+        expected = gather_blocks(separate, blocks, layout, heads=heads_picked)
+        assert torch.equal(gather_blocks(stacked.layers, blocks, layout, heads=heads_picked), expected)
+    slices = gather_blocks(separate, [1, 5, 7], layout)
+    target_stacked = _random_cache(layout, dtype, heads=heads, seed=4)
+    target_separate = [(k.clone(), v.clone()) for k, v in target_stacked.layers]
+    scatter_blocks(target_stacked.layers, [9, 2, 6], slices, layout)
+    scatter_blocks(target_separate, [9, 2, 6], slices, layout)
+    for (sk, sv), (pk, pv) in zip(target_stacked.layers, target_separate, strict=True):
+        assert torch.equal(sk, pk) and torch.equal(sv, pv)
+    assert torch.equal(gather_blocks(target_stacked.layers, [9, 2, 6], layout), slices)
+
+
+def test_layers_spaced_unevenly_are_not_stacked() -> None:
+    """A list that is not one evenly spaced tensor (layers out of order, K and V swapped) takes the per-layer path."""
+    cache = _random_cache(HND, torch.float32, seed=5)
+    shuffled = [cache.layers[0], cache.layers[2], cache.layers[1]]
+    assert stacked_view(shuffled, HND) is None
+    copies = [(k.clone(), v.clone()) for k, v in shuffled]
+    assert torch.equal(gather_blocks(shuffled, [2, 1], HND), gather_blocks(copies, [2, 1], HND))
+    assert stacked_view([(v, k) for k, v in cache.layers], HND) is None
+    # Evenly spaced is enough: the stack's last layers, or every other one, are one strided view as well.
+    for part in (cache.layers[1:], cache.layers[::2]):
+        whole = stacked_view(part, HND)
+        assert whole is not None and torch.equal(whole[:, :, -1, 1], part[-1][1])
