@@ -8,6 +8,7 @@ import sys
 from collections.abc import Callable, Coroutine
 from typing import Any
 
+from services.client.exit_codes import INTERRUPTED
 from services.common.settings import add_settings_arguments, settings_from_args
 
 
@@ -53,7 +54,7 @@ def _run(coro: Coroutine[Any, Any, int | None]) -> int:
     try:
         return asyncio.run(coro) or 0
     except KeyboardInterrupt:
-        return 130
+        return INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> None:
