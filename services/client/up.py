@@ -9,12 +9,14 @@ import os
 import signal
 import sys
 import typing
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 import pydantic
 
-from services.client.launcher import Launcher, start_suite_processes, wait_all_healthy
+from services.client.exit_codes import INTERRUPTED
+from services.client.launcher import Launcher, ServiceProcess, start_suite_processes, wait_all_healthy
 from services.common.model_paths import embedded_model_dir, model_cache_dir
 from services.common.ports import DEFAULT_METRICS_PORT
 from services.gateway.settings import DEFAULT_PORT as GATEWAY_PORT
@@ -331,7 +333,9 @@ async def run(ns: argparse.Namespace) -> int:
         tls_hint = "" if certs is None else f" --tls-ca {certs.ca}"
         store = "a kvstore, " if suite.kv_store is not None else ""
         say(f"meshserve: starting {store}scheduler, {ns.workers} worker(s) and gateway; logs in {log_dir}")
-        await wait_all_healthy(launcher, suite.all, ns.startup_timeout)
+        if not await _healthy_unless_stopped(launcher, suite.all, ns.startup_timeout, stop):
+            say("meshserve: interrupted before every service was serving", sys.stderr)
+            return INTERRUPTED
         say(
             f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
             f'  try:  meshserve generate --address {gateway.address}{tls_hint} "What is the capital of France?"\n'
@@ -348,6 +352,25 @@ async def run(ns: argparse.Namespace) -> int:
         say("meshserve: stopping...")
         launcher.stop_all()
     return 0
+
+
+async def _healthy_unless_stopped(
+    launcher: Launcher, services: Sequence[ServiceProcess], timeout: float, stop: asyncio.Event
+) -> bool:
+    """Wait for every service to be SERVING; False as soon as Ctrl-C (or SIGTERM) comes first, so a user
+    need not wait out a model's loading (or --startup-timeout) to stop the suite."""
+    healthy = asyncio.ensure_future(wait_all_healthy(launcher, services, timeout))
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({healthy, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (healthy, stopped):
+            task.cancel()
+        await asyncio.gather(healthy, stopped, return_exceptions=True)
+    if healthy.cancelled():
+        return False
+    healthy.result()  # raises what wait_all_healthy raised (a service exited, or the timeout)
+    return True
 
 
 async def _wait_for_stop_or_exit(launcher: Launcher, stop: asyncio.Event) -> None:

@@ -92,3 +92,35 @@ def test_up_generate_chat_and_ctrl_c(smollm2_dir: Path, tmp_path: Path) -> None:
         rest, _ = up.communicate(timeout=60)
     assert up.returncode == 0, rest
     assert "stopping" in rest
+
+
+def test_ctrl_c_while_starting_stops_every_service(tmp_path: Path) -> None:
+    """Ctrl-C before the suite serves (a model still loading) stops it at once, not after --startup-timeout."""
+    ports = {name: free_port() for name in ("port", "scheduler-port", "worker-port", "kv-store-port")}
+    up = subprocess.Popen(
+        [
+            *CLI, "up", *(arg for name, port in ports.items() for arg in (f"--{name}", str(port))),
+            "--http-port", "0", "--metrics-port", "0", "--log-dir", str(tmp_path), "--kv-cache-memory", "256MiB",
+            "--startup-timeout", "3600",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        # Printed as the services start; the worker is still importing torch and loading the model.
+        started = wait_for_line(up, "meshserve: starting", timeout=120)
+        os.kill(up.pid, signal.SIGINT)
+        rest, _ = up.communicate(timeout=120)
+    finally:
+        if up.poll() is None:
+            up.kill()
+            up.communicate()
+    output = started + rest
+    assert up.returncode == 130, output
+    assert BANNER not in output
+    assert "interrupted before every service was serving" in output and "stopping" in output
+    # No service it started is left: each one's command line names its own --port.
+    for port in ports.values():
+        found = subprocess.run(["pgrep", "-f", f"services.cli .* --port {port}( |$)"], capture_output=True, text=True)
+        assert found.stdout.split() == [], f"a service on port {port} is still running"
