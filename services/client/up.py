@@ -48,15 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--model", default=None, help="the same as MODEL")
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
-    parser.add_argument("--port", type=int, default=GATEWAY_PORT, help="gateway (public) port")
+    parser.add_argument("--port", type=_dialled_port, default=GATEWAY_PORT, help="gateway (public) port")
     parser.add_argument(
         "--http-port",
         type=int,
         default=HTTP_PORT,
         help="gateway's OpenAI-compatible HTTP port (/v1/completions, /v1/chat/completions); -1: off, 0: any free",
     )
-    parser.add_argument("--scheduler-port", type=int, default=SCHEDULER_PORT)
-    parser.add_argument("--worker-port", type=int, default=WORKER_PORT, help="first worker's health port")
+    parser.add_argument("--scheduler-port", type=_dialled_port, default=SCHEDULER_PORT)
+    parser.add_argument("--worker-port", type=_dialled_port, default=WORKER_PORT, help="first worker's health port")
     parser.add_argument(
         "--workers", "--num-workers", dest="workers", type=_positive_int, default=1, help="worker processes to start"
     )
@@ -126,7 +126,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["on", "off"],
         help="start a kvstore that every worker shares (on: prefixes computed once load everywhere)",
     )
-    parser.add_argument("--kv-store-port", type=int, default=KV_STORE_PORT)
+    parser.add_argument("--kv-store-port", type=_dialled_port, default=KV_STORE_PORT)
     parser.add_argument(
         "--kv-store-backend", default=None, help="memory (kvstore default) or redis://host:port/db (shared by replicas)"
     )
@@ -148,6 +148,17 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def _dialled_port(text: str) -> int:
+    """A port another service of the suite dials: a fixed one, since `up` tells the others where to connect
+    (0, any free port, would leave them nowhere to go and the health wait never ending)."""
+    value = int(text)
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(
+            f"must be a port from 1 to 65535 (the other services connect to it), not {value}"
+        )
     return value
 
 

@@ -28,6 +28,16 @@ def test_workers_must_be_a_positive_count(value: str) -> None:
         _parse("--workers", value)
 
 
+@pytest.mark.parametrize("flag", ["--port", "--scheduler-port", "--worker-port", "--kv-store-port"])
+@pytest.mark.parametrize("value", ["0", "-1", "65536", "any"])
+def test_ports_other_services_dial_must_be_fixed(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """0 (any free port) would leave the other services nowhere to connect and `up` waiting for health."""
+    assert getattr(_parse(flag, "65535"), flag[2:].replace("-", "_")) == 65535
+    with pytest.raises(SystemExit):
+        _parse(flag, value)
+    assert f"argument {flag}" in capsys.readouterr().err
+
+
 def test_routing_reaches_the_scheduler_only_when_given() -> None:
     assert "--routing" not in up.scheduler_args(_parse())
     for policy in up.ROUTING_POLICIES:
