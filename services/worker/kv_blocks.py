@@ -78,14 +78,16 @@ class SliceGeometry:
 
 def stacked_view(layers: Sequence[tuple[torch.Tensor, torch.Tensor]], layout: str) -> torch.Tensor | None:
     """Every layer's K and V as one view in the store's canonical order, [num_blocks, Hk, num_layers, 2,
-    block_size, D], when the layers are evenly spaced views of one storage (KVCache.allocate on the CPU);
-    None otherwise.
+    block_size, D], when the layers are evenly spaced views of one CPU tensor (KVCache.allocate's CPU cache);
+    None otherwise (a device cache keeps a tensor per layer).
 
     Built from the layers' own offsets and strides, it reads and writes exactly the memory the per-layer
     tensors do, and block i of it is block i's slice: one index_select gathers blocks straight into their
     canonical bytes, one index_copy_ writes them back.
     """
     k0, v0 = layers[0]
+    if k0.device.type != "cpu":
+        return None
     # Views of one tensor share its _base (a view of a view too); separate tensors have none.
     base = k0._base
     tensors = [t for pair in layers for t in pair]
@@ -114,12 +116,14 @@ def gather_blocks(
     layout: str,
     *,
     heads: slice | None = None,
+    stacked: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The blocks' KV as one contiguous CPU tensor [n, heads, num_layers, 2, block_size, head_dim].
 
     `layers` holds each layer's (K, V) cache in `layout`; `heads` picks some of the cache's heads (all by
-    default). Entry i is block_ids[i]'s slice in the canonical layout, contiguous, so its bytes are what
-    the store takes. The result is a copy: the blocks may be overwritten as soon as this returns.
+    default); `stacked` is stacked_view(layers, layout) when the caller keeps it (found here otherwise).
+    Entry i is block_ids[i]'s slice in the canonical layout, contiguous, so its bytes are what the store
+    takes. The result is a copy: the blocks may be overwritten as soon as this returns.
     """
     _check_layout(layout)
     if not layers:
@@ -132,16 +136,14 @@ def gather_blocks(
     out = torch.empty((n, num_heads, len(layers), 2, block_size, head_dim), dtype=k0.dtype, device="cpu")
     if n == 0:
         return out
+    whole = stacked if stacked is not None else stacked_view(layers, layout)
+    if whole is not None:
+        # The CPU cache: one index_select over every layer and K/V, straight into the slices.
+        torch.index_select(whole[:, picked], 0, torch.tensor(block_ids, dtype=torch.int64), out=out)
+        return out
     device = k0.device
-    whole = stacked_view(layers, layout)
     for start, stop in _staging_groups(n, out[0].numel() * out.element_size(), device):
         index = torch.tensor(block_ids[start:stop], dtype=torch.int64, device=device)
-        if whole is not None:
-            if device.type == "cpu":
-                torch.index_select(whole[:, picked], 0, index, out=out[start:stop])
-            else:
-                out[start:stop].copy_(whole[:, picked].index_select(0, index))
-            continue
         # On a device: gathered there into canonical order, then one device-to-host copy per group.
         on_cpu = device.type == "cpu"
         staged = out[start:stop] if on_cpu else torch.empty_like(out[start:stop], device=device)
@@ -179,8 +181,12 @@ def scatter_blocks(
     block_ids: Sequence[int],
     slices: torch.Tensor,
     layout: str,
+    *,
+    stacked: torch.Tensor | None = None,
 ) -> None:
     """Write slices [n, heads, num_layers, 2, block_size, head_dim] (any device) into block_ids of the cache.
+
+    `stacked` is stacked_view(layers, layout) when the caller keeps it (found here otherwise).
 
     The cache must hold exactly `heads` KV heads (a rank's own); the caller has checked that the slices are
     whole blocks of this model in the cache's dtype.
@@ -197,14 +203,15 @@ def scatter_blocks(
         raise ValueError(f"block slices of shape {tuple(slices.shape[1:])} do not fit this cache's {expected}")
     if slices.dtype != k0.dtype:
         raise ValueError(f"block slices in {slices.dtype} do not fit a {k0.dtype} cache")
+    whole = stacked if stacked is not None else stacked_view(layers, layout)
+    if whole is not None:
+        # The CPU cache: one index_copy_ over every layer and K/V.
+        whole.index_copy_(0, torch.tensor(block_ids, dtype=torch.int64), slices.to(whole.device))
+        return
     device = k0.device
-    whole = stacked_view(layers, layout)
     for start, stop in _staging_groups(n, slices[0].numel() * slices.element_size(), device):
         index = torch.tensor(block_ids[start:stop], dtype=torch.int64, device=device)
         staged = slices[start:stop].to(device)
-        if whole is not None:
-            whole.index_copy_(0, index, staged)
-            continue
         for layer, (k_cache, v_cache) in enumerate(layers):
             for kv, cache in enumerate((k_cache, v_cache)):
                 # index_copy_ on the head-major view writes the cache itself, in whichever layout it is.

@@ -35,7 +35,14 @@ from services.common.channels import open_sync_channel
 from services.common.kv_store_limits import BLOCK_HASH_BYTES, MAX_BLOCK_HASHES, MAX_CHUNK_BYTES
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc, worker_pb2
 from services.common.tls import Security
-from services.worker.kv_blocks import SliceGeometry, gather_blocks, scatter_blocks, slice_bytes, slices_from_bytes
+from services.worker.kv_blocks import (
+    SliceGeometry,
+    gather_blocks,
+    scatter_blocks,
+    slice_bytes,
+    slices_from_bytes,
+    stacked_view,
+)
 from services.worker.platforms.base import Platform
 
 log = structlog.get_logger()
@@ -134,6 +141,8 @@ class KVTransfer:
         self.geometry = geometry
         self.layers = layers
         self.layout = layout
+        # Found once: every save's gather and every load's scatter use it (None: a cache per layer).
+        self._stacked = stacked_view(layers, layout) if layers else None
         self.num_blocks = layers[0][0].shape[0] if layers else 0
         self.save_queue_blocks = save_queue_blocks
         self.rank = rank
@@ -238,7 +247,7 @@ class KVTransfer:
         if taken:
             try:
                 with torch.inference_mode():
-                    slices = gather_blocks(self.layers, [r.block_id for r in taken], self.layout)
+                    slices = gather_blocks(self.layers, [r.block_id for r in taken], self.layout, stacked=self._stacked)
                 now = time.monotonic()
                 saves = [_Save(bytes(r.block_hash), slices, i, now) for i, r in enumerate(taken)]
             except Exception as err:  # a save is an optimisation: it must not fail the step it follows
@@ -481,12 +490,12 @@ class KVTransfer:
         ids = [r.block_id for r in refs]
         with torch.inference_mode():
             if stream is None:
-                scatter_blocks(self.layers, ids, slices, self.layout)
+                scatter_blocks(self.layers, ids, slices, self.layout, stacked=self._stacked)
                 if self.device.type != "cpu":
                     self._platform.synchronize()
                 return
             with stream:
-                scatter_blocks(self.layers, ids, slices, self.layout)
+                scatter_blocks(self.layers, ids, slices, self.layout, stacked=self._stacked)
             # Done before the load counts as done: the step that reads these blocks runs on another stream.
             stream.synchronize()
 
