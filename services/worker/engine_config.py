@@ -19,6 +19,24 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
+class KVStoreConnection:
+    """How every rank reaches the kvstore: --kv-store and the flags beside it, validated on construction."""
+
+    # host:port of the kvstore every rank loads blocks from and saves blocks to.
+    address: str
+    # Blocks each rank queues for the store before it drops new saves (--kv-save-queue-blocks).
+    save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
+    # TLS and internal token of every rank's kvstore channel (None: insecure).
+    security: Security | None = None
+
+    def __post_init__(self) -> None:
+        if not self.address.strip():
+            raise ValueError("--kv-store must be host:port of the kvstore (leave it unset for none)")
+        if self.save_queue_blocks < 1:
+            raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {self.save_queue_blocks}")
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """What the worker loads and how much it may batch; validated on construction."""
 
@@ -48,11 +66,8 @@ class EngineConfig:
     cpu_kernels: str = "auto"
     # Weight-only quantisation of the linears and LM head (None: none).
     quantization: str | None = None
-    # host:port of the kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
-    kv_store_address: str | None = None
-    kv_save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
-    # TLS and internal token of every rank's kvstore channel (None: insecure).
-    kv_store_security: Security | None = None
+    # The kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
+    kv_store: KVStoreConnection | None = None
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -83,7 +98,7 @@ class EngineConfig:
                 f"--pp-layer-partition names {len(self.pp_layer_partition)} stages but --pipeline-parallel-size is "
                 f"{self.pipeline_parallel_size}; give one layer count per stage"
             )
-        if self.pipeline_parallel_size > 1 and self.kv_store_address is not None:
+        if self.pipeline_parallel_size > 1 and self.kv_store is not None:
             # The store's block layout splits a block by KV heads only; a stage's layers are not one byte range.
             raise ValueError(
                 "--kv-store does not work with --pipeline-parallel-size > 1 yet (a stage holds only some layers of "
@@ -101,10 +116,6 @@ class EngineConfig:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
         if self.seed < 0:
             raise ValueError(f"--seed must be >= 0, got {self.seed}")
-        if self.kv_store_address is not None and not self.kv_store_address.strip():
-            raise ValueError("--kv-store must be host:port of the kvstore (leave it unset for none)")
-        if self.kv_save_queue_blocks < 1:
-            raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {self.kv_save_queue_blocks}")
 
     def resolve_precision(self, platform_default: str) -> Precision:
         """The precision to run with once the platform (and so what `auto` means) is known."""

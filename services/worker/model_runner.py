@@ -209,7 +209,7 @@ class ModelRunner:
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_model_len=self.max_model_len,
-            kv_store=config.kv_store_address,
+            kv_store=None if config.kv_store is None else config.kv_store.address,
             load_seconds=round(time.perf_counter() - started, 3),
         )
 
@@ -288,8 +288,8 @@ class ModelRunner:
 
     def _start_kv_transfer(self, arch: LlamaArch) -> KVTransfer | None:
         """This rank's loader and saver of its KV heads, when --kv-store is set."""
-        address = self.config.kv_store_address
-        if address is None:
+        store = self.config.kv_store
+        if store is None:
             return None
         try:
             dtype_name(self.precision.kv_dtype)
@@ -306,15 +306,15 @@ class ModelRunner:
             head_count=split.num_kv_heads,
         )
         return KVTransfer(
-            address,
+            store.address,
             self.kv_format,
             geometry,
             self.kv_cache.layers,
             self.platform.ops.kv_layout,
             self.platform,
-            save_queue_blocks=self.config.kv_save_queue_blocks,
+            save_queue_blocks=store.save_queue_blocks,
             rank=self.ranks.rank,
-            security=self.config.kv_store_security,
+            security=store.security,
         )
 
     def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:

@@ -23,7 +23,7 @@ from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.common.tls import load_security
 from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
-from services.worker.engine_config import EngineConfig
+from services.worker.engine_config import EngineConfig, KVStoreConnection
 from services.worker.metrics import MeteredExecutor, MeteredPipelinedExecutor, WorkerMetrics
 from services.worker.settings import WorkerSettings
 from services.worker.telemetry.device_telemetry import DeviceTelemetry
@@ -62,9 +62,11 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         seed=settings.seed,
         cpu_kernels=settings.cpu_kernels,
         quantization=settings.quantization,
-        kv_store_address=settings.kv_store,
-        kv_save_queue_blocks=settings.kv_save_queue_blocks,
-        kv_store_security=load_security(settings),
+        kv_store=(
+            None
+            if settings.kv_store is None
+            else KVStoreConnection(settings.kv_store, settings.kv_save_queue_blocks, load_security(settings))
+        ),
     )
 
 

@@ -25,7 +25,7 @@ from services.client.launcher import Launcher, ServiceProcess
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc, sampling_pb2, worker_pb2
 from services.worker.distributed import DistInit
-from services.worker.engine_config import EngineConfig
+from services.worker.engine_config import EngineConfig, KVStoreConnection
 from services.worker.kv_blocks import SliceGeometry, gather_blocks
 from services.worker.kv_cache import KVCache
 from services.worker.kv_transfer import KVTransfer
@@ -78,7 +78,7 @@ def kvstore(launcher: Launcher) -> ServiceProcess:
     return start_kvstore(launcher, "kvstore", args=["--capacity", "64MiB"])
 
 
-def _config(model_dir: Path, store: str | None, **kw: object) -> EngineConfig:
+def _config(model_dir: Path, store: str | None, kv_save_queue_blocks: int = 256, **kw: object) -> EngineConfig:
     args: dict[str, object] = {
         "model_path": str(model_dir),
         "dtype": "float32",
@@ -87,7 +87,7 @@ def _config(model_dir: Path, store: str | None, **kw: object) -> EngineConfig:
         "max_num_batched_tokens": 512,
         "max_num_seqs": 8,
         "max_model_len": 128,
-        "kv_store_address": store,
+        "kv_store": None if store is None else KVStoreConnection(store, kv_save_queue_blocks),
         **kw,
     }
     return EngineConfig(**args)  # type: ignore[arg-type]
@@ -527,10 +527,15 @@ def test_worker_flags_reach_the_engine_config(model_dir: Path) -> None:
         return engine_config(settings_from_args(WorkerSettings, namespace), "cpu")
 
     given = config("--kv-store", "kvstore:50054", "--kv-save-queue-blocks", "7")
-    assert given.kv_store_address == "kvstore:50054" and given.kv_save_queue_blocks == 7
-    assert config().kv_store_address is None and config().kv_save_queue_blocks == 256
+    assert given.kv_store is not None
+    assert given.kv_store.address == "kvstore:50054" and given.kv_store.save_queue_blocks == 7
+    assert config().kv_store is None
+    default = config("--kv-store", "kvstore:50054").kv_store
+    assert default is not None and default.save_queue_blocks == 256
     with pytest.raises(ValueError, match="--kv-save-queue-blocks"):
-        EngineConfig(model_path="m", kv_save_queue_blocks=0)
+        KVStoreConnection("kvstore:50054", save_queue_blocks=0)
+    with pytest.raises(ValueError, match="--kv-store must be host:port"):
+        KVStoreConnection(" ")
 
 
 class _FakeLoads:
