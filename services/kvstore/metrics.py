@@ -34,6 +34,11 @@ class KVStoreMetrics:
             metric("kvstore_misses"), "Blocks asked for and not found, by RPC", ["rpc"], registry=registry
         )
         self._bytes_in = Counter(metric("kvstore_bytes_in"), "Payload bytes received by Put", registry=registry)
+        self._shared_bytes_in = Counter(
+            metric("kvstore_shared_memory_bytes_in"),
+            "Payload bytes of Put read from writers' shared memory on this host (part of bytes_in)",
+            registry=registry,
+        )
         self._bytes_out = Counter(metric("kvstore_bytes_out"), "Payload bytes sent by Get", registry=registry)
         self._evictions = Counter(
             metric("kvstore_evictions"), "Blocks the memory backend evicted to stay in capacity", registry=registry
@@ -92,10 +97,12 @@ class KVStoreMetrics:
         self.hits += hits
         self.misses += misses
 
-    def received(self, nbytes: int) -> None:
-        """Put took nbytes of payload."""
+    def received(self, nbytes: int, shared: bool = False) -> None:
+        """Put took nbytes of payload (shared: read from the writer's shared memory, not sent in data)."""
         self._bytes_in.inc(nbytes)
         self.bytes_in += nbytes
+        if shared:
+            self._shared_bytes_in.inc(nbytes)
 
     def sent(self, nbytes: int) -> None:
         """Get sent nbytes of payload."""

@@ -18,11 +18,12 @@ class CompleteSlice:
     """One slice with its whole payload, as the chunks brought it (joined only where it must be)."""
 
     header: SliceHeader
-    parts: list[bytes]
+    # bytes of data chunks, or views of a writer's shared memory (valid only until the Put answers).
+    parts: list[bytes | memoryview]
 
     def payload(self) -> bytes:
-        """The payload in one buffer (a copy only when it came in several chunks)."""
-        return self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+        """The payload in one buffer of its own (a copy only when it came in several chunks or by reference)."""
+        return bytes(self.parts[0]) if len(self.parts) == 1 else b"".join(self.parts)
 
 
 class SliceAssembler:
@@ -30,19 +31,26 @@ class SliceAssembler:
 
     def __init__(self) -> None:
         self._open: SliceHeader | None = None
-        self._parts: list[bytes] = []
+        self._parts: list[bytes | memoryview] = []
         self._received = 0
 
-    def feed(self, chunk: kvstore_pb2.PutChunk) -> tuple[SliceHeader | None, CompleteSlice | None]:
-        """The slice this chunk opens (if its header is set) and the slice it completes (if any)."""
-        check_chunk_data(chunk.data)
+    def feed(
+        self, chunk: kvstore_pb2.PutChunk, data: bytes | memoryview | None = None
+    ) -> tuple[SliceHeader | None, CompleteSlice | None]:
+        """The slice this chunk opens (if its header is set) and the slice it completes (if any).
+
+        `data` is the chunk's payload when it came by another way than chunk.data (PutChunk.shared, read by
+        the caller, which has checked its size)."""
+        if data is None:
+            check_chunk_data(chunk.data)
+            data = chunk.data
         opened = None
         if chunk.HasField("header"):
             self._check_closed("the next header")
             opened = self._open = check_slice_header(chunk.header)
         elif self._open is None:
             raise invalid("header", "is unset, but no slice is open: the first chunk of each slice carries its header")
-        return opened, self._add(chunk.data)
+        return opened, self._add(data)
 
     def finish(self) -> None:
         """The stream ended; the open slice, if any, is truncated."""
@@ -56,7 +64,7 @@ class SliceAssembler:
                 f"before {what}: send a slice's whole payload (head_count x bytes per head) first",
             )
 
-    def _add(self, data: bytes) -> CompleteSlice | None:
+    def _add(self, data: bytes | memoryview) -> CompleteSlice | None:
         header = self._open
         assert header is not None
         if self._received + len(data) > header.payload_length:

@@ -1,15 +1,16 @@
 """The KVBlockStore gRPC service: RPC glue over a backend, the format registry and the staging area.
 
 Bad input ends a call with INVALID_ARGUMENT or OUT_OF_RANGE (a StatusError raised where it is found,
-turned into the call's status in _abort). Backend trouble never does: Lookup answers 0, Get ends
-early, Put counts its blocks as dropped.
+turned into the call's status in _abort); a PutChunk.shared range this store cannot read ends it with
+FAILED_PRECONDITION, and the writer sends its bytes instead. Backend trouble never does: Lookup answers
+0, Get ends early, Put counts its blocks as dropped.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -34,6 +35,7 @@ from services.kvstore.settings import (
     PUT_BATCH_MAX_BLOCKS,
     KVStoreSettings,
 )
+from services.kvstore.shared_segments import SharedSegments
 from services.kvstore.staging import Completed, Held, Refused, ShapeConflict, Staging, Ticket
 from services.kvstore.validation import (
     SliceHeader,
@@ -78,6 +80,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
         self.store = MonitoredBackend(backend, health, metrics)
         self.formats = FormatRegistry(self.store)
         self.staging = Staging(settings.staging_capacity_bytes, settings.staging_timeout, metrics.staging_dropped)
+        self.shared_segments = SharedSegments(settings.shared_memory)
         metrics.pending_slices.set_function(self._pending_slices)
         metrics.bytes_used.set_function(lambda: backend.stats().bytes_used)
         self._probe: asyncio.Task[None] | None = None
@@ -95,6 +98,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             self._probe.cancel()
         if self._background:
             await asyncio.gather(*self._background, return_exceptions=True)
+        self.shared_segments.close()
         await self.store.backend.close()
 
     def _pending_slices(self) -> int:
@@ -103,8 +107,12 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
         return self.staging.pending_slices
 
     async def _abort(self, context: grpc.aio.ServicerContext, rpc: Rpc, err: StatusError) -> NoReturn:
-        self.metrics.bad_request(rpc)
-        log.info("bad request", rpc=rpc, code=err.status.code.name, error=err.status.details)
+        if err.status.code == grpc.StatusCode.FAILED_PRECONDITION:
+            # Not bad input: a writer elsewhere tried shared memory once, and now sends bytes.
+            log.info("shared memory unreadable", rpc=rpc, error=err.status.details)
+        else:
+            self.metrics.bad_request(rpc)
+            log.info("bad request", rpc=rpc, code=err.status.code.name, error=err.status.details)
         await context.abort_with_status(err.status)
         raise AssertionError("abort_with_status returned") from err  # pragma: no cover
 
@@ -136,8 +144,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
         registered = True  # whether the open slice's shape is its kv_format's (False: the backend cannot say)
         try:
             async for chunk in request_iterator:
-                opened, done = assembler.feed(chunk)
-                self.metrics.received(len(chunk.data))
+                data = self._shared_payload(chunk)
+                opened, done = assembler.feed(chunk, data)
+                self.metrics.received(len(chunk.data) if data is None else len(data), shared=data is not None)
                 if opened is not None:
                     registered = await self.formats.check(opened.kv_format, opened.shape)
                 if done is not None:
@@ -160,6 +169,15 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             num_slices_pending=sum(self.staging.is_pending(t) for t in tally.held),
             num_blocks_dropped=tally.dropped,
         )
+
+    def _shared_payload(self, chunk: kvstore_pb2.PutChunk) -> memoryview | None:
+        """The chunk's payload read from the writer's shared memory, or None when it came in data."""
+        if not chunk.HasField("shared"):
+            return None
+        if chunk.data:
+            raise invalid("shared", "is set beside data; a chunk carries its payload in one of them, not both")
+        # A view: a whole block is encoded (its one copy) before this Put answers; staging copies a slice.
+        return self.shared_segments.read(chunk.shared)
 
     async def _take(self, done: CompleteSlice, registered: bool, tally: _PutTally) -> None:
         """Queue a complete block for writing, or hold a partial one in staging."""
@@ -186,7 +204,7 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             await self._flush(tally)
 
     @staticmethod
-    def _encode(header: SliceHeader, parts: list[bytes] | list[memoryview]) -> bytes:
+    def _encode(header: SliceHeader, parts: Sequence[bytes | memoryview]) -> bytes:
         return encode(header.kv_format, header.block_hash, header.shape, parts)
 
     async def _flush(self, tally: _PutTally) -> None:

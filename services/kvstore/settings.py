@@ -63,6 +63,11 @@ class KVStoreSettings(ServiceSettings):
     staging_capacity: str = Field(
         "256MiB", description="bytes of tensor-parallel slices held until their block's other heads arrive"
     )
+    shared_memory: bool = Field(
+        True,
+        description="read Put payloads that workers on this host hand over in shared memory (their segments "
+        "under /dev/shm, this user's only); off: such Puts are refused and the workers send the bytes instead",
+    )
     staging_timeout: float = Field(
         30.0, description="seconds a partial block waits for its other heads before it is dropped", gt=0
     )

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import grpc
 from google.rpc import error_details_pb2
 
-from services.common.errors import StatusError, invalid_argument_status, make_status
+from services.common.errors import Reason, StatusError, invalid_argument_status, make_status
 from services.common.kv_store_limits import (
     BLOCK_HASH_BYTES,
     DTYPE_BYTES,
@@ -39,6 +39,21 @@ def out_of_range(field: str, description: str) -> StatusError:
             grpc.StatusCode.OUT_OF_RANGE,
             f"{field}: {description}",
             error_details_pb2.BadRequest(field_violations=[violation]),
+        )
+    )
+
+
+def unreadable_shared_memory(field: str, description: str) -> StatusError:
+    """FAILED_PRECONDITION: a PutChunk.shared range this store cannot read; the writer sends the bytes instead."""
+    failure = error_details_pb2.PreconditionFailure.Violation(
+        type="SHARED_MEMORY", subject=field, description=description
+    )
+    return StatusError(
+        make_status(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            f"{field}: {description}",
+            error_details_pb2.PreconditionFailure(violations=[failure]),
+            reason=Reason.SHARED_MEMORY_UNREADABLE,
         )
     )
 

@@ -28,6 +28,8 @@ class KVStoreConnection:
     save_queue_blocks: int = DEFAULT_KV_SAVE_QUEUE_BLOCKS
     # TLS and internal token of every rank's kvstore channel (None: insecure).
     security: Security | None = None
+    # Saves handed over in a shared-memory outbox where the store can read it (--kv-store-shared-memory).
+    shared_memory: bool = True
 
     def __post_init__(self) -> None:
         if not self.address.strip():

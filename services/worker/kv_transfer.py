@@ -10,7 +10,10 @@ the store comes back):
 - saves: the model thread copies a step's saved blocks (this rank's heads) to CPU bytes right after the
   step, while no later step can have reused them, and queues them; the save thread streams them to the
   store in Puts of several blocks, gathered over several steps (SAVE_LINGER_S). A full queue or an
-  unreachable store drops blocks (counted), never stalls a step.
+  unreachable store drops blocks (counted), never stalls a step. A store on the same host reads the
+  blocks' bytes from this rank's shared-memory outbox (kv_outbox.py) and the Put carries only where
+  they are; a store that cannot (another host, another user) says so once, and from then on the bytes
+  go in the Put.
 
 The scheduler reserves a load's blocks until the load is reported done, so writing them from the load
 thread while the model thread runs other steps touches no memory a step reads or writes. On a device the
@@ -43,6 +46,7 @@ from services.worker.kv_blocks import (
     slices_from_bytes,
     stacked_view,
 )
+from services.worker.kv_outbox import KVOutbox
 from services.worker.platforms.base import Platform
 
 log = structlog.get_logger()
@@ -133,7 +137,9 @@ class KVTransfer:
         put_timeout_s: float = PUT_TIMEOUT_S,
         save_linger_s: float = SAVE_LINGER_S,
         security: Security | None = None,
+        shared_memory: bool = True,
     ) -> None:
+        """shared_memory: hand saved blocks to the store through a shared-memory outbox where it can read it."""
         if save_queue_blocks < 1:
             raise ValueError(f"--kv-save-queue-blocks must be >= 1, got {save_queue_blocks}")
         self.address = address
@@ -180,6 +186,8 @@ class KVTransfer:
         self._saves_held = 0
         self._dropped_unreported = 0
         self._store_down = False
+        # Owned by the save thread from here on; None: every payload goes in data.
+        self._outbox = self._open_outbox() if shared_memory else None
         self._load_thread = threading.Thread(target=self._load_loop, name=f"kv-load-{rank}", daemon=True)
         self._save_thread = threading.Thread(target=self._save_loop, name=f"kv-save-{rank}", daemon=True)
         self._load_thread.start()
@@ -296,6 +304,8 @@ class KVTransfer:
         self._load_thread.join(JOIN_TIMEOUT_S)
         self._save_thread.join(JOIN_TIMEOUT_S)
         self._channel.close()
+        if self._outbox is not None and not self._save_thread.is_alive():
+            self._outbox.close()
 
     def _valid_ref(self, ref: worker_pb2.KVBlockRef) -> bool:
         return ref.block_id < self.num_blocks and len(ref.block_hash) == BLOCK_HASH_BYTES
@@ -531,11 +541,37 @@ class KVTransfer:
                 return
             self._saves_changed.wait(remaining)
 
+    def _open_outbox(self) -> KVOutbox | None:
+        try:
+            return KVOutbox(self.geometry.slice_nbytes, PUT_BATCH_BLOCKS)
+        except OSError as err:
+            log.warning("kv_outbox_unavailable", tp_rank=self.rank, error=str(err), note="saves send their bytes")
+            return None
+
+    @property
+    def shares_memory(self) -> bool:
+        """Whether saves still hand their bytes over in shared memory."""
+        return self._outbox is not None
+
     def _put(self, batch: list[_Save]) -> None:
         """One Put stream of the batch's slices; what the store could not take counts as dropped."""
+        outbox = self._outbox
         try:
-            response = self._stub.Put(self._chunks(batch), timeout=self.put_timeout_s)
+            response = self._stub.Put(self._chunks(batch, outbox), timeout=self.put_timeout_s)
         except grpc.RpcError as err:
+            if outbox is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+                # The store cannot read this rank's shared memory: the bytes go in the Put from now on.
+                log.warning(
+                    "kv_store_shared_memory_unreadable",
+                    tp_rank=self.rank,
+                    address=self.address,
+                    details=err.details(),  # type: ignore[attr-defined]
+                    note="saves send their bytes from now on",
+                )
+                self._outbox = None
+                outbox.close()
+                self._put(batch)
+                return
             with self._lock:
                 # Blocks completed before the failure may be stored; which ones is unknown, so all count.
                 self._count_dropped(len(batch))
@@ -559,8 +595,8 @@ class KVTransfer:
         if was_down:
             log.info("kv_store_put_recovered", tp_rank=self.rank, address=self.address)
 
-    def _chunks(self, batch: list[_Save]) -> Iterator[kvstore_pb2.PutChunk]:
-        for save in batch:
+    def _chunks(self, batch: list[_Save], outbox: KVOutbox | None) -> Iterator[kvstore_pb2.PutChunk]:
+        for i, save in enumerate(batch):
             data = slice_bytes(save.slices, save.index)
             header = kvstore_pb2.BlockHeader(
                 kv_format=self.kv_format,
@@ -569,6 +605,15 @@ class KVTransfer:
                 head_start=self.geometry.head_start,
                 head_count=self.geometry.head_count,
             )
+            if outbox is not None and i < outbox.num_slots:
+                # Slot i: one Put is in flight at a time, and its slots are not reused until it answers.
+                for n, shared in enumerate(outbox.write(i, data)):
+                    yield (
+                        kvstore_pb2.PutChunk(header=header, shared=shared)
+                        if n == 0
+                        else kvstore_pb2.PutChunk(shared=shared)
+                    )
+                continue
             for offset in range(0, len(data), MAX_CHUNK_BYTES):
                 piece = bytes(data[offset : offset + MAX_CHUNK_BYTES])
                 yield (

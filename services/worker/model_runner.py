@@ -315,6 +315,7 @@ class ModelRunner:
             save_queue_blocks=store.save_queue_blocks,
             rank=self.ranks.rank,
             security=store.security,
+            shared_memory=store.shared_memory,
         )
 
     def _load(self, hf_config: Any, source: ModelSource, max_model_len: int) -> LlamaForCausalLM:

@@ -194,6 +194,8 @@ def follower_main(spec: RankSpec) -> None:
         log.error("tensor_parallel_group_failed", error=str(err))
         sys.exit(1)
     finally:
+        # The kvstore threads and this rank's shared-memory outbox first (it would outlive the process).
+        runner.close()
         destroy_groups(runner.ranks)
 
 

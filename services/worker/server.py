@@ -65,7 +65,12 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         kv_store=(
             None
             if settings.kv_store is None
-            else KVStoreConnection(settings.kv_store, settings.kv_save_queue_blocks, load_security(settings))
+            else KVStoreConnection(
+                settings.kv_store,
+                settings.kv_save_queue_blocks,
+                load_security(settings),
+                shared_memory=settings.kv_store_shared_memory,
+            )
         ),
     )
 
@@ -241,8 +246,11 @@ async def _serve_driver(
     await service.run_until_stopped(functools.partial(_drain, client, attach_task))
     if not await _detach(client, attach_task, settings.hung_step_timeout):
         _exit_hung(processes, stopping)
+    loop = asyncio.get_running_loop()
     if driver is not None:
-        await asyncio.get_running_loop().run_in_executor(model_thread, driver.close)
+        await loop.run_in_executor(model_thread, driver.close)
+    # The kvstore threads and this rank's shared-memory outbox (unlinked: it would outlive the process).
+    await loop.run_in_executor(model_thread, runner.close)
     model_thread.shutdown(wait=True)
     return 0 if _failure(attach_task) is None else 1
 

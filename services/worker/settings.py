@@ -105,6 +105,11 @@ class WorkerSettings(ServiceSettings):
         description="KV blocks each rank queues for the kvstore before it drops new saves (CPU copies)",
         ge=1,
     )
+    kv_store_shared_memory: bool = Field(
+        True,
+        description="hand saved KV blocks to a kvstore on this host through shared memory (/dev/shm) instead of "
+        "sending their bytes; a store that cannot read it (another host or user) is sent the bytes",
+    )
     worker_id: str | None = Field(None, description="id shown to the scheduler (unset: host:pid)")
     device_telemetry: Literal["auto", "npu", "cuda", "off"] = Field(
         "auto",

@@ -144,6 +144,16 @@ def test_worker_scales_without_collisions() -> None:
         assert worker["deploy"]["replicas"] >= 1
 
 
+def test_workers_share_the_kvstores_shared_memory() -> None:
+    for document in (load(BASE), merge(load(BASE), load(ASCEND))):
+        services = document["services"]
+        # Every replica joins the store's IPC namespace, whose /dev/shm holds one 32 MiB outbox per rank.
+        assert services["worker"]["ipc"] == "service:kvstore"
+        assert services["kvstore"]["ipc"] == "shareable"
+        size = services["kvstore"]["shm_size"]
+        assert re.fullmatch(r"\d+m", size) and int(size[:-1]) >= 4 * 32
+
+
 def test_public_ports_are_the_gateways() -> None:
     services = load(BASE)["services"]
     assert services["gateway"]["ports"] == ["50051:50051", "8000:8000"]

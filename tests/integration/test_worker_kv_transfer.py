@@ -22,6 +22,7 @@ import torch
 import xxhash
 
 from services.client.launcher import Launcher, ServiceProcess
+from services.common.kv_shared_memory import SEGMENT_PREFIX, SHM_DIR
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc, sampling_pb2, worker_pb2
 from services.worker.distributed import DistInit
@@ -78,7 +79,9 @@ def kvstore(launcher: Launcher) -> ServiceProcess:
     return start_kvstore(launcher, "kvstore", args=["--capacity", "64MiB"])
 
 
-def _config(model_dir: Path, store: str | None, kv_save_queue_blocks: int = 256, **kw: object) -> EngineConfig:
+def _config(model_dir: Path, store: str | None, **kw: object) -> EngineConfig:
+    queue = kw.pop("kv_save_queue_blocks", 256)
+    assert isinstance(queue, int)
     args: dict[str, object] = {
         "model_path": str(model_dir),
         "dtype": "float32",
@@ -87,7 +90,7 @@ def _config(model_dir: Path, store: str | None, kv_save_queue_blocks: int = 256,
         "max_num_batched_tokens": 512,
         "max_num_seqs": 8,
         "max_model_len": 128,
-        "kv_store": None if store is None else KVStoreConnection(store, kv_save_queue_blocks),
+        "kv_store": None if store is None else KVStoreConnection(store, queue),
         **kw,
     }
     return EngineConfig(**args)  # type: ignore[arg-type]
@@ -468,7 +471,7 @@ def tampering() -> Iterator[tuple[TamperingStore, str, list[bytes]]]:
     server.stop(0)
 
 
-def _transfer(address: str, get_timeout_s: float) -> tuple[KVTransfer, KVCache]:
+def _transfer(address: str, get_timeout_s: float, shared_memory: bool = True) -> tuple[KVTransfer, KVCache]:
     cache = KVCache.allocate(
         num_blocks=4,
         num_layers=2,
@@ -480,7 +483,15 @@ def _transfer(address: str, get_timeout_s: float) -> tuple[KVTransfer, KVCache]:
         layout=NHD,
     )
     return KVTransfer(
-        address, FORMAT, GEOMETRY, cache.layers, NHD, CpuPlatform(), save_queue_blocks=8, get_timeout_s=get_timeout_s
+        address,
+        FORMAT,
+        GEOMETRY,
+        cache.layers,
+        NHD,
+        CpuPlatform(),
+        save_queue_blocks=8,
+        get_timeout_s=get_timeout_s,
+        shared_memory=shared_memory,
     ), cache
 
 
@@ -514,6 +525,49 @@ def test_a_bad_block_ends_the_load_before_it(tampering: tuple[TamperingStore, st
         assert _load(transfer, load_id=2) == 3
     finally:
         transfer.close()
+
+
+def _outbox_segments() -> set[str]:
+    return {p.name for p in SHM_DIR.glob(SEGMENT_PREFIX + "*")}
+
+
+@pytest.mark.parametrize("store_reads_shared_memory", [True, False])
+def test_saves_go_through_shared_memory_or_fall_back_to_bytes(
+    launcher: Launcher, kvstore: ServiceProcess, store_reads_shared_memory: bool
+) -> None:
+    address = kvstore.address
+    if not store_reads_shared_memory:
+        address = start_kvstore(launcher, "kvstore-no-shm", args=["--no-shared-memory"]).address
+    before = _outbox_segments()
+    saver, saved_cache = _transfer(address, get_timeout_s=10.0)
+    loader, loaded_cache = _transfer(address, get_timeout_s=10.0, shared_memory=False)
+    try:
+        [segment] = _outbox_segments() - before
+        for k, v in saved_cache.layers:
+            k.copy_(torch.randn_like(k))
+            v.copy_(torch.randn_like(v))
+        hashes = [hashlib.sha256(f"shm fallback {store_reads_shared_memory} {i}".encode()).digest() for i in range(4)]
+        saver.save(refs([0, 1, 2, 3], hashes))
+        deadline = time.monotonic() + WAIT_S
+        while saver.stats.blocks_saved < 4:
+            assert time.monotonic() < deadline and not saver.stats.saves_dropped, saver.stats
+            time.sleep(0.02)
+        # A store that cannot read the outbox said so once; the same Put went again with the bytes.
+        assert saver.shares_memory is store_reads_shared_memory
+        assert (segment in _outbox_segments()) is store_reads_shared_memory
+        loader.submit_loads([worker_pb2.KVLoad(load_id=1, blocks=refs([3, 2, 1, 0], hashes))])
+        while not loader.finished():
+            assert time.monotonic() < deadline
+            loader.wait_oldest(0.05)
+        assert loader.finished() == [(1, 4)]
+        assert torch.equal(
+            gather_blocks(loaded_cache.layers, [3, 2, 1, 0], NHD), gather_blocks(saved_cache.layers, [0, 1, 2, 3], NHD)
+        )
+    finally:
+        saver.close()
+        loader.close()
+    # Closing unlinks the segment (a killed worker's is swept by the next one).
+    assert segment not in _outbox_segments()
 
 
 def test_worker_flags_reach_the_engine_config(model_dir: Path) -> None:

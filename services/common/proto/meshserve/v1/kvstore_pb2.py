@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/kvstore.proto\x12\x0cmeshserve.v1\"k\n\nBlockShape\x12\x14\n\x0cnum_kv_heads\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"8\n\rLookupRequest\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"%\n\x0eLookupResponse\x12\x13\n\x0bnum_present\x18\x01 \x01(\r\"\x85\x01\n\x0b\x42lockHeader\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\'\n\x05shape\x18\x03 \x01(\x0b\x32\x18.meshserve.v1.BlockShape\x12\x12\n\nhead_start\x18\x04 \x01(\r\x12\x12\n\nhead_count\x18\x05 \x01(\r\"C\n\x08PutChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"}\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x1b\n\x13num_blocks_existing\x18\x02 \x01(\r\x12\x1a\n\x12num_slices_pending\x18\x03 \x01(\r\x12\x1a\n\x12num_blocks_dropped\x18\x04 \x01(\r\"]\n\nGetRequest\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x12\n\nhead_count\x18\x04 \x01(\r\"\xae\x01\n\x0eGetBlockHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\'\n\x05shape\x18\x03 \x01(\x0b\x32\x18.meshserve.v1.BlockShape\x12\x12\n\nhead_start\x18\x04 \x01(\r\x12\x12\n\nhead_count\x18\x05 \x01(\r\x12\x16\n\x0epayload_length\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"F\n\x08GetChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.meshserve.v1.GetBlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xea\x02\n\nStoreStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_serving\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x12\n\nbytes_used\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x38\n\x08rejected\x18\x0b \x03(\x0b\x32&.meshserve.v1.StoreStats.RejectedEntry\x12\x15\n\rblocks_stored\x18\x0c \x01(\x04\x12\x1a\n\x12num_pending_slices\x18\r \x01(\r\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x89\x02\n\x0cKVBlockStore\x12\x43\n\x06Lookup\x12\x1b.meshserve.v1.LookupRequest\x1a\x1c.meshserve.v1.LookupResponse\x12:\n\x03Put\x12\x16.meshserve.v1.PutChunk\x1a\x19.meshserve.v1.PutResponse(\x01\x12\x39\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x16.meshserve.v1.GetChunk0\x01\x12=\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x18.meshserve.v1.StoreStatsBp\n\x0fio.meshserve.v1B\x0cKvstoreProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1ameshserve/v1/kvstore.proto\x12\x0cmeshserve.v1\"k\n\nBlockShape\x12\x14\n\x0cnum_kv_heads\x18\x01 \x01(\r\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\r\n\x05\x64type\x18\x05 \x01(\t\"8\n\rLookupRequest\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\"%\n\x0eLookupResponse\x12\x13\n\x0bnum_present\x18\x01 \x01(\r\"\x85\x01\n\x0b\x42lockHeader\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\'\n\x05shape\x18\x03 \x01(\x0b\x32\x18.meshserve.v1.BlockShape\x12\x12\n\nhead_start\x18\x04 \x01(\r\x12\x12\n\nhead_count\x18\x05 \x01(\r\"t\n\x08PutChunk\x12)\n\x06header\x18\x01 \x01(\x0b\x32\x19.meshserve.v1.BlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12/\n\x06shared\x18\x03 \x01(\x0b\x32\x1f.meshserve.v1.SharedMemoryRange\"D\n\x11SharedMemoryRange\x12\x0f\n\x07segment\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0e\n\x06length\x18\x03 \x01(\x04\"}\n\x0bPutResponse\x12\x19\n\x11num_blocks_stored\x18\x01 \x01(\r\x12\x1b\n\x13num_blocks_existing\x18\x02 \x01(\r\x12\x1a\n\x12num_slices_pending\x18\x03 \x01(\r\x12\x1a\n\x12num_blocks_dropped\x18\x04 \x01(\r\"]\n\nGetRequest\x12\x11\n\tkv_format\x18\x01 \x01(\t\x12\x14\n\x0c\x62lock_hashes\x18\x02 \x03(\x0c\x12\x12\n\nhead_start\x18\x03 \x01(\r\x12\x12\n\nhead_count\x18\x04 \x01(\r\"\xae\x01\n\x0eGetBlockHeader\x12\r\n\x05index\x18\x01 \x01(\r\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\'\n\x05shape\x18\x03 \x01(\x0b\x32\x18.meshserve.v1.BlockShape\x12\x12\n\nhead_start\x18\x04 \x01(\r\x12\x12\n\nhead_count\x18\x05 \x01(\r\x12\x16\n\x0epayload_length\x18\x06 \x01(\x04\x12\x10\n\x08\x63hecksum\x18\x07 \x01(\x04\"F\n\x08GetChunk\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.meshserve.v1.GetBlockHeader\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x0e\n\x0cStatsRequest\"\xea\x02\n\nStoreStats\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x17\n\x0f\x62\x61\x63kend_serving\x18\x02 \x01(\x08\x12\x12\n\nnum_blocks\x18\x03 \x01(\x04\x12\x12\n\nbytes_used\x18\x04 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x0e\n\x06misses\x18\x07 \x01(\x04\x12\x10\n\x08\x62ytes_in\x18\x08 \x01(\x04\x12\x11\n\tbytes_out\x18\t \x01(\x04\x12\x11\n\tevictions\x18\n \x01(\x04\x12\x38\n\x08rejected\x18\x0b \x03(\x0b\x32&.meshserve.v1.StoreStats.RejectedEntry\x12\x15\n\rblocks_stored\x18\x0c \x01(\x04\x12\x1a\n\x12num_pending_slices\x18\r \x01(\r\x1a/\n\rRejectedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x32\x89\x02\n\x0cKVBlockStore\x12\x43\n\x06Lookup\x12\x1b.meshserve.v1.LookupRequest\x1a\x1c.meshserve.v1.LookupResponse\x12:\n\x03Put\x12\x16.meshserve.v1.PutChunk\x1a\x19.meshserve.v1.PutResponse(\x01\x12\x39\n\x03Get\x12\x18.meshserve.v1.GetRequest\x1a\x16.meshserve.v1.GetChunk0\x01\x12=\n\x05Stats\x12\x1a.meshserve.v1.StatsRequest\x1a\x18.meshserve.v1.StoreStatsBp\n\x0fio.meshserve.v1B\x0cKvstoreProtoP\x01Z>github.com/meshserve/meshserve/gen/go/meshserve/v1;meshservev1\xaa\x02\x0cMeshserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -44,21 +44,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_BLOCKHEADER']._serialized_start=251
   _globals['_BLOCKHEADER']._serialized_end=384
   _globals['_PUTCHUNK']._serialized_start=386
-  _globals['_PUTCHUNK']._serialized_end=453
-  _globals['_PUTRESPONSE']._serialized_start=455
-  _globals['_PUTRESPONSE']._serialized_end=580
-  _globals['_GETREQUEST']._serialized_start=582
-  _globals['_GETREQUEST']._serialized_end=675
-  _globals['_GETBLOCKHEADER']._serialized_start=678
-  _globals['_GETBLOCKHEADER']._serialized_end=852
-  _globals['_GETCHUNK']._serialized_start=854
-  _globals['_GETCHUNK']._serialized_end=924
-  _globals['_STATSREQUEST']._serialized_start=926
-  _globals['_STATSREQUEST']._serialized_end=940
-  _globals['_STORESTATS']._serialized_start=943
-  _globals['_STORESTATS']._serialized_end=1305
-  _globals['_STORESTATS_REJECTEDENTRY']._serialized_start=1258
-  _globals['_STORESTATS_REJECTEDENTRY']._serialized_end=1305
-  _globals['_KVBLOCKSTORE']._serialized_start=1308
-  _globals['_KVBLOCKSTORE']._serialized_end=1573
+  _globals['_PUTCHUNK']._serialized_end=502
+  _globals['_SHAREDMEMORYRANGE']._serialized_start=504
+  _globals['_SHAREDMEMORYRANGE']._serialized_end=572
+  _globals['_PUTRESPONSE']._serialized_start=574
+  _globals['_PUTRESPONSE']._serialized_end=699
+  _globals['_GETREQUEST']._serialized_start=701
+  _globals['_GETREQUEST']._serialized_end=794
+  _globals['_GETBLOCKHEADER']._serialized_start=797
+  _globals['_GETBLOCKHEADER']._serialized_end=971
+  _globals['_GETCHUNK']._serialized_start=973
+  _globals['_GETCHUNK']._serialized_end=1043
+  _globals['_STATSREQUEST']._serialized_start=1045
+  _globals['_STATSREQUEST']._serialized_end=1059
+  _globals['_STORESTATS']._serialized_start=1062
+  _globals['_STORESTATS']._serialized_end=1424
+  _globals['_STORESTATS_REJECTEDENTRY']._serialized_start=1377
+  _globals['_STORESTATS_REJECTEDENTRY']._serialized_end=1424
+  _globals['_KVBLOCKSTORE']._serialized_start=1427
+  _globals['_KVBLOCKSTORE']._serialized_end=1692
 # @@protoc_insertion_point(module_scope)

@@ -172,25 +172,71 @@ class PutChunk(_message.Message):
 
     HEADER_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    SHARED_FIELD_NUMBER: _builtins.int
     data: _builtins.bytes
     """The next bytes of the current slice's payload; at most 1 MiB per chunk."""
     @_builtins.property
     def header(self) -> Global___BlockHeader:
         """Set on the first chunk of each block slice, unset on the rest."""
 
+    @_builtins.property
+    def shared(self) -> Global___SharedMemoryRange:
+        """Instead of data (never both): the next bytes of the payload, read by
+        the store from the writer's shared memory. For a writer on the store's
+        host; it saves both sides copying the bytes through gRPC.
+        """
+
     def __init__(
         self,
         *,
         header: Global___BlockHeader | None = ...,
         data: _builtins.bytes = ...,
+        shared: Global___SharedMemoryRange | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "shared", b"shared"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "header", b"header", "shared", b"shared"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PutChunk: _TypeAlias = PutChunk  # noqa: Y015
+
+@_typing.final
+class SharedMemoryRange(_message.Message):
+    """A byte range of a POSIX shared-memory segment that the writer created on
+    the store's host and keeps unchanged until its Put call has answered.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEGMENT_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    LENGTH_FIELD_NUMBER: _builtins.int
+    segment: _builtins.str
+    """The segment's name under /dev/shm: "meshserve-kv-" followed by 32
+    lowercase hex digits. The store opens only segments owned by its own
+    user.
+    """
+    offset: _builtins.int
+    """First byte of the range in the segment."""
+    length: _builtins.int
+    """Bytes in the range, 1 to 1 MiB (the cap of data); offset + length must
+    lie within the segment.
+    """
+    def __init__(
+        self,
+        *,
+        segment: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["length", b"length", "offset", b"offset", "segment", b"segment"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___SharedMemoryRange: _TypeAlias = SharedMemoryRange  # noqa: Y015
 
 @_typing.final
 class PutResponse(_message.Message):

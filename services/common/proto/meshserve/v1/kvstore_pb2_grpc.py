@@ -73,7 +73,9 @@ class KVBlockStoreServicer:
         with data only, until the slice's payload is complete; many blocks per
         stream. A block already stored is not rewritten. A bad chunk ends the
         stream with INVALID_ARGUMENT or OUT_OF_RANGE; blocks completed before it
-        stay stored.
+        stay stored. A chunk whose `shared` range this store cannot read (another
+        host, another user, shared memory off) ends it with FAILED_PRECONDITION:
+        the writer sends those bytes in `data` instead.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

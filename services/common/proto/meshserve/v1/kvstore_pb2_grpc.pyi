@@ -45,7 +45,9 @@ class KVBlockStoreStub:
     with data only, until the slice's payload is complete; many blocks per
     stream. A block already stored is not rewritten. A bad chunk ends the
     stream with INVALID_ARGUMENT or OUT_OF_RANGE; blocks completed before it
-    stay stored.
+    stay stored. A chunk whose `shared` range this store cannot read (another
+    host, another user, shared memory off) ends it with FAILED_PRECONDITION:
+    the writer sends those bytes in `data` instead.
     """
     Get: _grpc.UnaryStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetChunk]
     """Streams the leading stored blocks of a hash chain, in order, each as a
@@ -68,7 +70,9 @@ class KVBlockStoreAsyncStub(KVBlockStoreStub):
     with data only, until the slice's payload is complete; many blocks per
     stream. A block already stored is not rewritten. A bad chunk ends the
     stream with INVALID_ARGUMENT or OUT_OF_RANGE; blocks completed before it
-    stay stored.
+    stay stored. A chunk whose `shared` range this store cannot read (another
+    host, another user, shared memory off) ends it with FAILED_PRECONDITION:
+    the writer sends those bytes in `data` instead.
     """
     Get: _aio.UnaryStreamMultiCallable[_kvstore_pb2.GetRequest, _kvstore_pb2.GetChunk]  # type: ignore[assignment]
     """Streams the leading stored blocks of a hash chain, in order, each as a
@@ -100,7 +104,9 @@ class KVBlockStoreServicer(metaclass=_abc_1.ABCMeta):
         with data only, until the slice's payload is complete; many blocks per
         stream. A block already stored is not rewritten. A bad chunk ends the
         stream with INVALID_ARGUMENT or OUT_OF_RANGE; blocks completed before it
-        stay stored.
+        stay stored. A chunk whose `shared` range this store cannot read (another
+        host, another user, shared memory off) ends it with FAILED_PRECONDITION:
+        the writer sends those bytes in `data` instead.
         """
 
     @_abc_1.abstractmethod
