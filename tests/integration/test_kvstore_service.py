@@ -23,10 +23,13 @@ from services.kvstore.block_format import PAYLOAD_LENGTH_OFFSET, BlockShape, enc
 from services.kvstore.health import BACKEND_HEALTH_NAME, SERVICE_NAME
 from services.kvstore.validation import shape_to_proto
 from tests.support.kvstore import (
+    BIG,
+    SMALL,
     KVStoreClient,
     RedisServer,
     Slice,
     block_hashes,
+    held_back,
     kv_format,
     kvstore_launcher,
     launch_kvstore,
@@ -34,9 +37,6 @@ from tests.support.kvstore import (
     start_kvstore,
 )
 
-# 1.25 MiB blocks: two data chunks each; a two-head slice (640 KiB) is one.
-BIG = BlockShape(num_kv_heads=4, num_layers=20, block_size=16, head_dim=128, dtype="float32")
-SMALL = BlockShape(num_kv_heads=2, num_layers=2, block_size=16, head_dim=64, dtype="bfloat16")
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -281,18 +281,10 @@ async def test_bad_input_names_the_field_and_harms_no_one_else(memory_store: Ser
     good = _slices(fmt, SMALL, 8, seed=100)[4:]
     gate = asyncio.Event()
 
-    async def held_back() -> AsyncIterator[kvstore_pb2.PutChunk]:
-        for chunk in good[0].chunks():
-            yield chunk
-        await gate.wait()
-        for piece in good[1:]:
-            for chunk in piece.chunks():
-                yield chunk
-
     async with KVStoreClient(memory_store.address) as kv:
         assert (await kv.put(stored)).num_blocks_stored == 4
         # Another caller is mid-Put and mid-Get while the bad calls come and go.
-        put_call = asyncio.ensure_future(kv.stub.Put(held_back(), timeout=60))
+        put_call = asyncio.ensure_future(kv.stub.Put(held_back(good, gate), timeout=60))
         get_call = kv.stub.Get(kvstore_pb2.GetRequest(kv_format=fmt, block_hashes=hashes), timeout=60)
         first = await get_call.read()
         assert isinstance(first, kvstore_pb2.GetChunk) and first.header.index == 0
@@ -419,7 +411,7 @@ async def test_sigterm_drains_a_put_in_flight_then_exits_zero(log_dir: Path) -> 
         chunks = block.chunks()
         gate = asyncio.Event()
 
-        async def held_back() -> AsyncIterator[kvstore_pb2.PutChunk]:
+        async def half_then_held() -> AsyncIterator[kvstore_pb2.PutChunk]:
             yield chunks[0]
             yield chunks[1]
             await gate.wait()
@@ -427,7 +419,7 @@ async def test_sigterm_drains_a_put_in_flight_then_exits_zero(log_dir: Path) -> 
                 yield chunk
 
         async with KVStoreClient(store.address) as kv:
-            call = asyncio.ensure_future(kv.stub.Put(held_back(), timeout=60))
+            call = asyncio.ensure_future(kv.stub.Put(half_then_held(), timeout=60))
             while (await kv.stats()).bytes_in == 0:  # the store holds half a block
                 await asyncio.sleep(0.02)
             store.process.send_signal(signal.SIGTERM)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import urllib.request
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -22,21 +22,20 @@ from services.common.kv_shared_memory import SHM_DIR, new_segment_name
 from services.common.kv_store_limits import MAX_CHUNK_BYTES
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import kvstore_pb2
-from services.kvstore.block_format import BlockShape
 from services.worker.kv_outbox import KVOutbox
 from tests.support.kvstore import (
+    BIG,
+    SMALL,
     KVStoreClient,
     Slice,
     block_hashes,
+    held_back,
     kv_format,
     kvstore_launcher,
     launch_kvstore,
     payload,
 )
 
-# 1.25 MiB blocks: a block's range is two chunks of at most 1 MiB.
-BIG = BlockShape(num_kv_heads=4, num_layers=20, block_size=16, head_dim=128, dtype="float32")
-SMALL = BlockShape(num_kv_heads=2, num_layers=2, block_size=16, head_dim=64, dtype="bfloat16")
 Range = kvstore_pb2.SharedMemoryRange
 
 
@@ -171,18 +170,10 @@ async def test_ranges_it_cannot_or_must_not_read_are_refused_and_harm_no_one_els
     good = [Slice(good_fmt, h, BIG, payload(BIG, 50 + i)) for i, h in enumerate(block_hashes(good_fmt, 3))]
     gate = asyncio.Event()
 
-    async def held_back() -> AsyncIterator[kvstore_pb2.PutChunk]:
-        for c in good[0].chunks():
-            yield c
-        await gate.wait()
-        for piece in good[1:]:
-            for c in piece.chunks():
-                yield c
-
     try:
         async with KVStoreClient(store.address) as kv, KVStoreClient(store_without_shm.address) as off:
             # Another caller is mid-Put while the refused calls come and go.
-            put_call = asyncio.ensure_future(kv.stub.Put(held_back(), timeout=60))
+            put_call = asyncio.ensure_future(kv.stub.Put(held_back(good, gate), timeout=60))
             for name, bad, code, field in cases:
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     await kv.put_chunks([bad])

@@ -29,6 +29,10 @@ from services.kvstore.validation import shape_to_proto
 
 REDIS_SERVER = "/usr/bin/redis-server"
 STARTUP_TIMEOUT_S = 30.0
+# Block shapes of the store's tests. BIG: 1.25 MiB blocks, two data chunks (or shared ranges) each; a
+# two-head slice (640 KiB) is one. SMALL: 8 KiB blocks.
+BIG = BlockShape(num_kv_heads=4, num_layers=20, block_size=16, head_dim=128, dtype="float32")
+SMALL = BlockShape(num_kv_heads=2, num_layers=2, block_size=16, head_dim=64, dtype="bfloat16")
 
 # Runs redis-server as a child that gets SIGKILL when the test process dies by any means, as the
 # launcher does for services (PR_SET_PDEATHSIG survives execve).
@@ -94,6 +98,17 @@ class GotBlock:
 
     header: kvstore_pb2.GetBlockHeader
     data: bytes
+
+
+async def held_back(slices: Sequence[Slice], gate: asyncio.Event) -> AsyncIterator[kvstore_pb2.PutChunk]:
+    """A well-behaved Put's chunks: the first slice, then (once gate is set) the rest: a stream left open
+    while other callers misbehave beside it."""
+    for chunk in slices[0].chunks():
+        yield chunk
+    await gate.wait()
+    for piece in slices[1:]:
+        for chunk in piece.chunks():
+            yield chunk
 
 
 async def _iterate(chunks: Sequence[kvstore_pb2.PutChunk]) -> AsyncIterator[kvstore_pb2.PutChunk]:
