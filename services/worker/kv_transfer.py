@@ -556,10 +556,13 @@ class KVTransfer:
     def _put(self, batch: list[_Save]) -> None:
         """One Put stream of the batch's slices; what the store could not take counts as dropped."""
         outbox = self._outbox
+        # Written here, before the call: gRPC's thread that sends the chunks never touches the outbox.
+        shared = self._fill_outbox(outbox, batch) if outbox is not None else []
         try:
-            response = self._stub.Put(self._chunks(batch, outbox), timeout=self.put_timeout_s)
+            response = self._stub.Put(self._chunks(batch, shared), timeout=self.put_timeout_s)
         except grpc.RpcError as err:
-            if outbox is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION:  # type: ignore[attr-defined]
+            code = err.code()  # type: ignore[attr-defined]
+            if shared and code == grpc.StatusCode.FAILED_PRECONDITION:
                 # The store cannot read this rank's shared memory: the bytes go in the Put from now on.
                 log.warning(
                     "kv_store_shared_memory_unreadable",
@@ -568,22 +571,26 @@ class KVTransfer:
                     details=err.details(),  # type: ignore[attr-defined]
                     note="saves send their bytes from now on",
                 )
-                self._outbox = None
-                outbox.close()
+                self._retire_outbox(replace=False)
                 self._put(batch)
                 return
+            if shared and code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+                # Given up on here, the call may still be read there: the store must never read a slot
+                # that a later Put rewrites (it would store wrong bytes under a right hash), so the next
+                # Put gets a new segment and this one is left to the store's mapping.
+                self._retire_outbox(replace=True)
             with self._lock:
                 # Blocks completed before the failure may be stored; which ones is unknown, so all count.
                 self._count_dropped(len(batch))
                 self.stats.put_failures += 1
                 was_down, self._store_down = self._store_down, True
             if not was_down:
-                self._note_error(f"Put: {err.code().name}: {err.details()}")  # type: ignore[attr-defined]
+                self._note_error(f"Put: {code.name}: {err.details()}")  # type: ignore[attr-defined]
                 log.warning(
                     "kv_store_put_failed",
                     tp_rank=self.rank,
                     address=self.address,
-                    code=err.code().name,  # type: ignore[attr-defined]
+                    code=code.name,
                     details=err.details(),  # type: ignore[attr-defined]
                     note="saves are dropped until it answers again",
                 )
@@ -595,9 +602,26 @@ class KVTransfer:
         if was_down:
             log.info("kv_store_put_recovered", tp_rank=self.rank, address=self.address)
 
-    def _chunks(self, batch: list[_Save], outbox: KVOutbox | None) -> Iterator[kvstore_pb2.PutChunk]:
+    @staticmethod
+    def _fill_outbox(outbox: KVOutbox, batch: list[_Save]) -> list[list[kvstore_pb2.SharedMemoryRange]]:
+        """Copy the batch's first blocks into the outbox's slots (slot i: block i); their ranges, in order.
+
+        One Put is in flight at a time and its slots are reused only after it has answered."""
+        return [
+            outbox.write(i, slice_bytes(save.slices, save.index)) for i, save in enumerate(batch[: outbox.num_slots])
+        ]
+
+    def _retire_outbox(self, replace: bool) -> None:
+        """Close and unlink the outbox (a store's mapping of it stays valid); open a new one if replace."""
+        if self._outbox is not None:
+            self._outbox.close()
+        self._outbox = self._open_outbox() if replace else None
+
+    def _chunks(
+        self, batch: list[_Save], shared: list[list[kvstore_pb2.SharedMemoryRange]]
+    ) -> Iterator[kvstore_pb2.PutChunk]:
+        """The batch's chunks: by their outbox ranges where it has them, else with the bytes."""
         for i, save in enumerate(batch):
-            data = slice_bytes(save.slices, save.index)
             header = kvstore_pb2.BlockHeader(
                 kv_format=self.kv_format,
                 block_hash=save.block_hash,
@@ -605,15 +629,15 @@ class KVTransfer:
                 head_start=self.geometry.head_start,
                 head_count=self.geometry.head_count,
             )
-            if outbox is not None and i < outbox.num_slots:
-                # Slot i: one Put is in flight at a time, and its slots are not reused until it answers.
-                for n, shared in enumerate(outbox.write(i, data)):
+            if i < len(shared):
+                for n, piece_range in enumerate(shared[i]):
                     yield (
-                        kvstore_pb2.PutChunk(header=header, shared=shared)
+                        kvstore_pb2.PutChunk(header=header, shared=piece_range)
                         if n == 0
-                        else kvstore_pb2.PutChunk(shared=shared)
+                        else kvstore_pb2.PutChunk(shared=piece_range)
                     )
                 continue
+            data = slice_bytes(save.slices, save.index)
             for offset in range(0, len(data), MAX_CHUNK_BYTES):
                 piece = bytes(data[offset : offset + MAX_CHUNK_BYTES])
                 yield (

@@ -360,6 +360,7 @@ def test_tp2_group_loads_blocks_a_tp1_runner_saved(
     spec = RankSpec(config, dist, ranks_per_node=2, cpu_binding="off", log_level="info", log_format="json")
     processes = spawn_local_ranks(spec, first_rank=0)
     driver: RankDriver | None = None
+    runner: ModelRunner | None = None
     try:
         runner = ModelRunner(config, dist)
         driver = RankDriver(runner, processes, threading.Event())
@@ -376,6 +377,8 @@ def test_tp2_group_loads_blocks_a_tp1_runner_saved(
     finally:
         if driver is not None:
             driver.close()
+        if runner is not None:
+            runner.close()  # rank 0's kvstore threads and outbox, as the worker does on shutdown
         for process in processes:
             process.kill()
     single = _runner(model_dir, kvstore.address)
@@ -404,6 +407,8 @@ class TamperingStore(kvstore_pb2_grpc.KVBlockStoreServicer):
         self.payloads = payloads
         self.tamper: str = ""
         self.tamper_index = 1
+        # Shared-memory segments the Puts named, in order.
+        self.put_segments: list[str] = []
 
     def Lookup(self, request: kvstore_pb2.LookupRequest, context: grpc.ServicerContext) -> kvstore_pb2.LookupResponse:
         raise NotImplementedError
@@ -411,7 +416,12 @@ class TamperingStore(kvstore_pb2_grpc.KVBlockStoreServicer):
     def Put(
         self, request_iterator: Iterator[kvstore_pb2.PutChunk], context: grpc.ServicerContext
     ) -> kvstore_pb2.PutResponse:
-        raise NotImplementedError
+        for chunk in request_iterator:
+            if chunk.HasField("shared"):
+                self.put_segments.append(chunk.shared.segment)
+        if self.tamper == "stall":
+            time.sleep(2)
+        return kvstore_pb2.PutResponse()
 
     def Stats(self, request: kvstore_pb2.StatsRequest, context: grpc.ServicerContext) -> kvstore_pb2.StoreStats:
         raise NotImplementedError
@@ -568,6 +578,39 @@ def test_saves_go_through_shared_memory_or_fall_back_to_bytes(
         loader.close()
     # Closing unlinks the segment (a killed worker's is swept by the next one).
     assert segment not in _outbox_segments()
+
+
+def test_a_put_given_up_on_leaves_its_segment_to_the_store_and_takes_a_new_one(
+    tampering: tuple[TamperingStore, str, list[bytes]],
+) -> None:
+    store, address, _ = tampering
+    store.tamper = "stall"
+    cache = KVCache.allocate(
+        num_blocks=4, num_layers=2, block_size=BLOCK, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+        device=torch.device("cpu"), layout=NHD,
+    )  # fmt: skip
+    transfer = KVTransfer(
+        address, FORMAT, GEOMETRY, cache.layers, NHD, CpuPlatform(), save_queue_blocks=8, put_timeout_s=0.3
+    )
+    try:
+        hashes = [hashlib.sha256(f"stalled put {i}".encode()).digest() for i in range(2)]
+        transfer.save(refs([0, 1], hashes))
+        deadline = time.monotonic() + WAIT_S
+        while transfer.stats.put_failures < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        # The stalled store may still read the slots it was named: a later Put must not rewrite them.
+        [first] = set(store.put_segments)
+        assert transfer.shares_memory and first not in _outbox_segments()
+        store.tamper = ""
+        transfer.save(refs([2, 3], hashes))
+        while transfer.stats.blocks_saved < 2:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert set(store.put_segments) - {first} <= _outbox_segments()
+        assert len(set(store.put_segments)) == 2
+    finally:
+        transfer.close()
 
 
 def test_worker_flags_reach_the_engine_config(model_dir: Path) -> None:
