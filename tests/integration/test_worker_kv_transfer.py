@@ -628,7 +628,9 @@ def test_worker_flags_reach_the_engine_config(model_dir: Path) -> None:
     assert given.kv_store.address == "kvstore:50054" and given.kv_store.save_queue_blocks == 7
     assert config().kv_store is None
     default = config("--kv-store", "kvstore:50054").kv_store
-    assert default is not None and default.save_queue_blocks == 256
+    assert default is not None and default.save_queue_blocks == 256 and default.shared_memory
+    off = config("--kv-store", "kvstore:50054", "--no-kv-store-shared-memory").kv_store
+    assert off is not None and not off.shared_memory
     with pytest.raises(ValueError, match="--kv-save-queue-blocks"):
         KVStoreConnection("kvstore:50054", save_queue_blocks=0)
     with pytest.raises(ValueError, match="--kv-store must be host:port"):
