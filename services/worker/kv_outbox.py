@@ -97,13 +97,20 @@ def sweep_orphans(directory: Path = SHM_DIR) -> int:
     """Remove the outbox segments in directory whose owner has died (their lock is free); how many."""
     removed = 0
     with contextlib.suppress(OSError):
-        names = [p.name for p in directory.iterdir() if p.name.startswith(SEGMENT_PREFIX)]
+        names = [p.name for p in directory.iterdir() if SEGMENT_PREFIX in p.name]
         for name in names:
-            if is_segment_name(name) and _unlink_if_orphaned(directory / name):
+            if _is_outbox_file(name) and _unlink_if_orphaned(directory / name):
                 removed += 1
     if removed:
         log.info("kv_outbox_orphans_removed", segments=removed, directory=str(directory))
     return removed
+
+
+def _is_outbox_file(name: str) -> bool:
+    """A segment, or one still being made (".NAME.new": a worker killed before renaming it leaves that)."""
+    if name.startswith(".") and name.endswith(".new"):
+        name = name[1 : -len(".new")]
+    return is_segment_name(name)
 
 
 def _unlink_if_orphaned(path: Path) -> bool:

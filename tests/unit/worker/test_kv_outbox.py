@@ -64,6 +64,9 @@ def test_the_sweep_removes_dead_workers_segments_and_keeps_live_ones(tmp_path: P
     # A killed worker's segment: nobody holds its lock.
     orphan = tmp_path / new_segment_name()
     orphan.write_bytes(b"old")
+    # One a worker was killed while making (before renaming it to its name).
+    half_made = tmp_path / f".{new_segment_name()}.new"
+    half_made.write_bytes(b"")
     # Files that are not segments, and a segment some other process holds locked, stay.
     other = tmp_path / "meshserve-kv-not-hex"
     other.write_bytes(b"x")
@@ -76,8 +79,9 @@ def test_the_sweep_removes_dead_workers_segments_and_keeps_live_ones(tmp_path: P
         fcntl.flock(fd, fcntl.LOCK_EX)
         # flock locks belong to an open file, so the sweep's own open of a held segment finds it locked,
         # as another worker's sweep would.
-        assert sweep_orphans(tmp_path) == 1
-        assert not orphan.exists() and live.path.exists() and other.exists() and held_name.exists()
+        assert sweep_orphans(tmp_path) == 2
+        assert not orphan.exists() and not half_made.exists()
+        assert live.path.exists() and other.exists() and held_name.exists()
         # A new outbox sweeps too, and the live one is still readable by name.
         newer = KVOutbox(4096, 1, directory=tmp_path)
         newer.close()
