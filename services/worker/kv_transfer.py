@@ -69,6 +69,18 @@ PUT_BATCH_BLOCKS = 64
 SAVE_LINGER_S = 0.0
 # Verified blocks written into the cache together: one index_copy_ per layer for all of them.
 SCATTER_BATCH_BYTES = 32 * 1024 * 1024
+# A Put that named shared memory and ended with one of these is sent again with the bytes, and so is every
+# later one: FAILED_PRECONDITION is a store that cannot read the segment; INVALID_ARGUMENT, OUT_OF_RANGE and
+# UNIMPLEMENTED are what a store older than PutChunk.shared answers (it ignores the field and finds each
+# slice short), in a rolling upgrade that reaches the workers first.
+REFUSED_SHARED_MEMORY = frozenset(
+    {
+        grpc.StatusCode.FAILED_PRECONDITION,
+        grpc.StatusCode.INVALID_ARGUMENT,
+        grpc.StatusCode.OUT_OF_RANGE,
+        grpc.StatusCode.UNIMPLEMENTED,
+    }
+)
 # How long closing waits for each thread (a Get in flight is cancelled first).
 JOIN_TIMEOUT_S = 5.0
 
@@ -562,8 +574,10 @@ class KVTransfer:
             response = self._stub.Put(self._chunks(batch, shared), timeout=self.put_timeout_s)
         except grpc.RpcError as err:
             code = err.code()  # type: ignore[attr-defined]
-            if shared and code == grpc.StatusCode.FAILED_PRECONDITION:
-                # The store cannot read this rank's shared memory: the bytes go in the Put from now on.
+            if shared and code in REFUSED_SHARED_MEMORY:
+                # The store cannot read this rank's shared memory, or (a store from before PutChunk.shared,
+                # which ignores the field and finds the slice short) does not know it: the bytes go in the
+                # Put from now on.
                 log.warning(
                     "kv_store_shared_memory_unreadable",
                     tp_rank=self.rank,

@@ -416,12 +416,17 @@ class TamperingStore(kvstore_pb2_grpc.KVBlockStoreServicer):
     def Put(
         self, request_iterator: Iterator[kvstore_pb2.PutChunk], context: grpc.ServicerContext
     ) -> kvstore_pb2.PutResponse:
+        headers = 0
         for chunk in request_iterator:
+            headers += chunk.HasField("header")
             if chunk.HasField("shared"):
                 self.put_segments.append(chunk.shared.segment)
+                if self.tamper == "before-shared":
+                    # A store from before PutChunk.shared sees a header and no payload.
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT, "data: got 0 of its payload bytes")
         if self.tamper == "stall":
             time.sleep(2)
-        return kvstore_pb2.PutResponse()
+        return kvstore_pb2.PutResponse(num_blocks_stored=headers)
 
     def Stats(self, request: kvstore_pb2.StatsRequest, context: grpc.ServicerContext) -> kvstore_pb2.StoreStats:
         raise NotImplementedError
@@ -609,6 +614,26 @@ def test_a_put_given_up_on_leaves_its_segment_to_the_store_and_takes_a_new_one(
             time.sleep(0.02)
         assert set(store.put_segments) - {first} <= _outbox_segments()
         assert len(set(store.put_segments)) == 2
+    finally:
+        transfer.close()
+
+
+def test_a_store_from_before_shared_memory_gets_the_bytes(
+    tampering: tuple[TamperingStore, str, list[bytes]],
+) -> None:
+    store, address, _ = tampering
+    store.tamper = "before-shared"
+    transfer, _ = _transfer(address, get_timeout_s=10.0)
+    try:
+        hashes = [hashlib.sha256(f"old store {i}".encode()).digest() for i in range(3)]
+        transfer.save(refs([0, 1, 2], hashes))
+        deadline = time.monotonic() + WAIT_S
+        while transfer.stats.blocks_saved < 3:
+            assert time.monotonic() < deadline and not transfer.stats.saves_dropped, transfer.stats
+            time.sleep(0.02)
+        # One refused attempt, then bytes from then on: nothing dropped, nothing counted as a failure.
+        assert not transfer.shares_memory and len(store.put_segments) == 1
+        assert transfer.stats.put_failures == 0
     finally:
         transfer.close()
 
