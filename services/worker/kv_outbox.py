@@ -45,7 +45,6 @@ class KVOutbox:
             raise ValueError(f"an outbox needs slots of >= 1 byte, got {max_slots} of {slot_nbytes}")
         self.slot_nbytes = slot_nbytes
         self.num_slots = max(1, min(max_slots, OUTBOX_MAX_BYTES // slot_nbytes))
-        self.directory = directory
         sweep_orphans(directory)
         self.name = new_segment_name()
         self.path = directory / self.name

@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import struct
-import urllib.request
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -36,6 +35,7 @@ from tests.support.kvstore import (
     payload,
     start_kvstore,
 )
+from tests.support.scrape import scrape_metrics
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -384,7 +384,7 @@ async def test_redis_outage_answers_misses_and_recovers_by_itself(log_dir: Path)
             assert [b.data for b in await kv.get(fmt, hashes)] == [s.data for s in slices]
             assert await kv.lookup(fmt, hashes) == 3
 
-        metrics = await asyncio.to_thread(_scrape, metrics_port)
+        metrics = await asyncio.to_thread(scrape_metrics, metrics_port)
         assert 'meshserve:kvstore_dropped_blocks_total{reason="backend_unavailable"} 2.0' in metrics
         assert "meshserve:kvstore_backend_serving 1.0" in metrics
         assert 'meshserve:kvstore_backend_latency_seconds_count{op="put"}' in metrics
@@ -393,12 +393,6 @@ async def test_redis_outage_answers_misses_and_recovers_by_itself(log_dir: Path)
     finally:
         launcher.stop_all(timeout=10)
         redis.stop()
-
-
-def _scrape(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text: str = response.read().decode()
-    return text
 
 
 async def test_sigterm_drains_a_put_in_flight_then_exits_zero(log_dir: Path) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -35,6 +34,7 @@ from tests.support.kvstore import (
     launch_kvstore,
     payload,
 )
+from tests.support.scrape import scrape_metrics
 
 Range = kvstore_pb2.SharedMemoryRange
 
@@ -85,9 +85,7 @@ def _shared_chunks(outbox: KVOutbox, slices: list[Slice]) -> list[kvstore_pb2.Pu
 
 
 def _shared_bytes_metric(port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    for line in text.splitlines():
+    for line in scrape_metrics(port).splitlines():
         if line.startswith("meshserve:kvstore_shared_memory_bytes_in_total "):
             return float(line.split()[1])
     raise AssertionError("no shared-memory bytes counter in the store's metrics")

@@ -8,13 +8,13 @@ import asyncio
 import json
 import random
 import re
-import urllib.request
 from pathlib import Path
 
 from services.client.client import GenerationClient, build_request, sampling_params
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import sampling_pb2
 from tests.support.calls import greedy_token_answers, stream
+from tests.support.scrape import scrape_metrics
 from tests.support.suite import start_suite
 from tests.support.tiny_model import transformers_greedy
 
@@ -61,8 +61,7 @@ def test_speculated_greedy_answers_equal_transformers(tiny_model_dir: Path, tmp_
     try:
         answers, beside = asyncio.run(traffic())
         stats = asyncio.run(suite.wait_idle())
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
+        metrics = scrape_metrics(metrics_port)
     finally:
         suite.stop()
     for prompt, answer in zip(prompts, answers, strict=True):

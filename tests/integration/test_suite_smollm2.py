@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import re
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from services.client.client import GenerationClient, build_request, sampling_par
 from services.common.ports import free_port
 from services.gateway.tokenizer import TextTokenizer
 from tests.support.calls import stream
+from tests.support.scrape import scrape_metrics
 from tests.support.suite import Suite, start_suite
 from tests.support.tiny_model import transformers_greedy
 
@@ -187,8 +187,7 @@ def test_speculative_decoding_keeps_greedy_answers(smollm2_dir: Path, tmp_path: 
     try:
         conversations = [[("user", q)] for q in [*QUESTIONS[:4], *COPY_TASKS]]
         answers = asyncio.run(_answers(suite.address, conversations))
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
+        metrics = scrape_metrics(metrics_port)
     finally:
         suite.stop()
     _check(smollm2_dir, conversations, answers)

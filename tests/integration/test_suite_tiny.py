@@ -6,7 +6,6 @@ import asyncio
 import os
 import random
 import signal
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -20,6 +19,7 @@ from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import generation_pb2, sampling_pb2
 from services.gateway.raw_request import encode_raw_request
 from tests.support.calls import expect_invalid, greedy_token_answers, stream
+from tests.support.scrape import scrape_metrics
 from tests.support.suite import Suite, start_suite
 from tests.support.tiny_model import transformers_greedy
 
@@ -222,8 +222,7 @@ def test_preemption_keeps_greedy_outputs(tiny_model_dir: Path, tmp_path: Path, s
         prompts = _prompts(8, seed=5, lo=30, hi=80)
         answers = asyncio.run(greedy_token_answers(suite.address, prompts, max_tokens=40))
         stats = asyncio.run(suite.wait_idle())
-        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as reply:
-            metrics = reply.read().decode()
+        metrics = scrape_metrics(metrics_port)
     finally:
         suite.stop()
     assert stats.num_preemptions > 0, "the KV cache was not small enough to force preemption"
