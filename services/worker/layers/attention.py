@@ -24,6 +24,12 @@ LAYOUTS = (NHD, HND)
 DecodeAttention = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, str], torch.Tensor
 ]
+# Every sequence whose query has more than one token: (q [T, Hq, D], k_cache, v_cache, block_tables [B, nb],
+# seq_lens [B], query_start_loc [B + 1], scale, layout) -> [T, Hq, D] holding those sequences' rows (a
+# single-token sequence's rows are left for the decode attention). prefill_attention below is the reference.
+PrefillAttention = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, str], torch.Tensor
+]
 
 
 @dataclass
@@ -99,36 +105,54 @@ def paged_attention(
     scale: float,
     layout: str = NHD,
     decode: DecodeAttention | None = None,
+    prefill: PrefillAttention | None = None,
 ) -> torch.Tensor:
     """Causal attention of q [T, Hq, D] over each sequence's cached context; returns [T, Hq, D].
 
     A sequence's query tokens are its last (query_start_loc[b+1] - query_start_loc[b]) cached
     tokens, so this serves prefill chunks and decodes alike. Decodes (one query token) are batched
-    into one call of `decode` (default: a padded pure-torch attention); prefill chunks run one SDPA
-    each. Softmax accumulates in float32.
+    into one call of `decode` (default: a padded pure-torch attention); the multi-token sequences into
+    one call of `prefill` (default: one SDPA each). Softmax accumulates in float32.
     """
     decode = decode or decode_attention
-    out = torch.empty_like(q)
+    prefill = prefill or prefill_attention
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     decode_rows: list[int] = []
     decode_seqs: list[int] = []
-    for b, seq_len in enumerate(lens):
-        start, end = starts[b], starts[b + 1]
-        if end - start == 1:
-            decode_rows.append(start)
+    for b in range(len(starts) - 1):
+        if starts[b + 1] - starts[b] == 1:
+            decode_rows.append(starts[b])
             decode_seqs.append(b)
-        elif end > start:
-            k = _gather_head_major(k_cache, block_tables[b], seq_len, layout)
-            v = _gather_head_major(v_cache, block_tables[b], seq_len, layout)
-            out[start:end] = _prefill_attention(q[start:end], k, v, scale)
-    if len(decode_rows) == len(lens):
+    if len(decode_rows) == len(starts) - 1:
         # A pure decode step (the common case): no scatter back into out.
         return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
+    out = prefill(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout)
     if decode_rows:
         rows = torch.tensor(decode_rows, device=q.device)
         seqs = torch.tensor(decode_seqs, device=block_tables.device)
         out[rows] = decode(q[rows], k_cache, v_cache, block_tables[seqs], seq_lens[seqs], scale, layout)
+    return out
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+    layout: str,
+) -> torch.Tensor:
+    """The rows of every sequence with more than one query token (see PrefillAttention): one SDPA each."""
+    out = torch.empty_like(q)
+    starts = query_start_loc.tolist()
+    for b, seq_len in enumerate(seq_lens.tolist()):
+        start, end = starts[b], starts[b + 1]
+        if end - start > 1:
+            k = _gather_head_major(k_cache, block_tables[b], seq_len, layout)
+            v = _gather_head_major(v_cache, block_tables[b], seq_len, layout)
+            out[start:end] = _prefill_attention(q[start:end], k, v, scale)
     return out
 
 

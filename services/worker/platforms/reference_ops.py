@@ -62,6 +62,7 @@ class ReferenceOps(Ops):
             scale,
             self.kv_layout,
             decode=self.decode_attention,
+            prefill=self.prefill_attention,
         )
 
     def decode_attention(
@@ -76,3 +77,17 @@ class ReferenceOps(Ops):
     ) -> torch.Tensor:
         """One query token per sequence (paged_attention's decode rows); subclasses swap in a kernel."""
         return attention.decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        layout: str,
+    ) -> torch.Tensor:
+        """The multi-token sequences' rows (paged_attention's prefill chunks); subclasses swap in a kernel."""
+        return attention.prefill_attention(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout)
