@@ -211,6 +211,25 @@ bool decode_attention_supported(int64_t head_dim, int64_t group) {
   return pick_attend<float>(head_dim, group) != nullptr;
 }
 
+// Tasks (by their work) split over the threads: largest first to the least-loaded thread. The work of one
+// batch's tasks differs tenfold (sequence lengths, causal tiles), where parallel_for's even split of the
+// range could leave one thread with most of it.
+std::vector<std::vector<int64_t>> assign_tasks(const std::vector<int64_t>& work) {
+  const int64_t num_tasks = static_cast<int64_t>(work.size());
+  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
+  std::vector<int64_t> order(num_tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return work[a] > work[b]; });
+  std::vector<std::vector<int64_t>> assigned(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const int64_t task : order) {
+    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
+    assigned[least].push_back(task);
+    load[least] += work[task];
+  }
+  return assigned;
+}
+
 template <typename scalar_t>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale,
@@ -237,22 +256,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(lens[b] >= 0 && (lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ",
                 lens[b], " does not fit block_tables' ", max_blocks, " blocks");
   }
-  // One task per (sequence, KV head), so a batch of one still uses every thread. Lengths in a batch differ
-  // tenfold: tasks go longest first to the least-loaded thread, where parallel_for's even split of the
-  // range could leave one thread with most of the work.
-  const int64_t num_tasks = batch * num_kv_heads;
-  const int64_t threads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_tasks));
-  std::vector<int64_t> order(num_tasks);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lens[a / num_kv_heads] > lens[b / num_kv_heads]; });
-  std::vector<std::vector<int64_t>> assigned(threads);
-  std::vector<int64_t> load(threads, 0);
-  for (const int64_t task : order) {
-    const auto least = std::min_element(load.begin(), load.end()) - load.begin();
-    assigned[least].push_back(task);
-    load[least] += lens[task / num_kv_heads] + 1;
-  }
+  // One task per (sequence, KV head), so a batch of one still uses every thread.
+  std::vector<int64_t> work(batch * num_kv_heads);
+  for (int64_t task = 0; task < static_cast<int64_t>(work.size()); ++task) work[task] = lens[task / num_kv_heads] + 1;
+  const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
+  const int64_t threads = static_cast<int64_t>(assigned.size());
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), of(group * head_dim), scores(group * longest);
     for (int64_t thread = begin; thread < end; ++thread) {
