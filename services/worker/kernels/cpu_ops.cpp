@@ -1,4 +1,4 @@
-// Native CPU kernels for the worker: paged decode attention that reads KV blocks in place, the KV cache
+// Native CPU kernels for the worker: paged decode and prefill attention that read KV blocks in place, the KV cache
 // write, fused RMSNorm, SwiGLU and rotary ops, and the int8 weight-only linear. Registered as
 // torch.ops.meshserve_cpu.*; built and loaded by kernels/loader.py.
 //
@@ -298,6 +298,261 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   at::Tensor out = at::empty_like(qc);
   dispatch_dtype(q.scalar_type(), "paged_decode_attention", [&]<typename scalar_t>() {
     decode_attention_impl<scalar_t>(qc, k_cache, v_cache, tables, lens, scale, out);
+  });
+  return out;
+}
+
+// ---------------------------------------------------------------------------------- prefill attention
+
+// Prefill chunks: each sequence's query rows (its last q_len cached tokens) against every cached token up
+// to their own position, flash-style. A task is one (sequence, KV head, tile of kPrefillTile query
+// tokens); its rows are the tile's tokens times the group's query heads, token-major. Keys go kKeyVecs
+// float vectors (W keys each) at a time: each W-key chunk's K is widened and transposed once per task to
+// [D][W], so a row's W scores are D fused multiply-adds of a broadcast query element with no horizontal
+// sums, and its V widened to [W][D]. The softmax runs online per row (running max and sum), one update
+// per kKeyVecs * W keys, all in float32.
+constexpr int64_t kPrefillTile = 16;
+constexpr int kKeyVecs = 4;
+
+// R rows' scores against the step's chunks: s[r][c] = sum over d of q[r][d] * kt[c][d][:]. Every bound is
+// a constant, so the R * kKeyVecs sums stay in registers.
+template <int R>
+inline void step_scores(const float* q, int64_t head_dim, const float* kt, fVec (&s)[R][kKeyVecs]) {
+  constexpr int64_t W = fVec::size();
+  // Local sums, copied out once: through the reference the compiler must assume q or kt alias them and
+  // stores every sum on every iteration.
+  fVec sums[R][kKeyVecs];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kKeyVecs; ++c) sums[r][c] = fVec(0.f);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    fVec q_d[R];
+    for (int r = 0; r < R; ++r) q_d[r] = fVec(q[r * head_dim + d]);
+    for (int c = 0; c < kKeyVecs; ++c) {
+      const fVec kd = fVec::loadu(kt + (c * head_dim + d) * W);
+      for (int r = 0; r < R; ++r) sums[r][c] = at::vec::fmadd(q_d[r], kd, sums[r][c]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kKeyVecs; ++c) s[r][c] = sums[r][c];
+}
+
+// R rows' accumulators (NV vectors a row, in registers) scaled by their correction, then += p[r][k] * v[k]
+// over the step's `keys` keys.
+template <int NV, int R>
+inline void step_values(const float* p, int64_t p_stride, const float* v, int64_t keys, const float* correction,
+                        float* acc) {
+  constexpr int64_t W = fVec::size();
+  fVec a[R][NV];
+  for (int r = 0; r < R; ++r) {
+    const fVec c(correction[r]);
+    for (int j = 0; j < NV; ++j) a[r][j] = fVec::loadu(acc + (r * NV + j) * W) * c;
+  }
+  for (int64_t k = 0; k < keys; ++k) {
+    fVec p_k[R];
+    for (int r = 0; r < R; ++r) p_k[r] = fVec(p[r * p_stride + k]);
+    for (int j = 0; j < NV; ++j) {
+      const fVec vk = fVec::loadu(v + (k * NV + j) * W);
+      for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(p_k[r], vk, a[r][j]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NV; ++j) a[r][j].store(acc + (r * NV + j) * W);
+}
+
+struct PrefillTask {
+  int64_t seq, kv_head, first;  // the tile's first query token, counted within the sequence's query
+};
+
+// Rows per register block: R rows' scores and NV-vector accumulators stay in registers.
+template <int NV>
+constexpr int kRowBlock = NV >= 16 ? 1 : 16 / NV;
+
+template <typename scalar_t, int NV>
+void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                            const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  constexpr int64_t W = fVec::size();
+  constexpr int64_t kStepKeys = kKeyVecs * W;
+  constexpr int R = kRowBlock<NV>;
+  const int64_t num_heads = q.size(1), head_dim = q.size(2);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t batch = seq_lens.numel();
+  const int64_t block_stride = k_cache.stride(0), head_stride = k_cache.stride(1), row_stride = k_cache.stride(2);
+  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
+  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
+  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  scalar_t* out_ptr = out.data_ptr<scalar_t>();
+
+  std::vector<PrefillTask> tasks;
+  std::vector<int64_t> work;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b], "sequence ", b, " has ", q_len, " query tokens but seq_lens ",
+                lens[b]);
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ", lens[b],
+                " does not fit block_tables' ", max_blocks, " blocks");
+    if (q_len < 2) continue;  // decodes are the decode kernel's
+    const int64_t context = lens[b] - q_len;
+    for (int64_t first = 0; first < q_len; first += kPrefillTile) {
+      const int64_t tokens = std::min(kPrefillTile, q_len - first);
+      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+        tasks.push_back({b, kh, first});
+        work.push_back(tokens * (context + first + tokens));  // query rows times the keys they see
+      }
+    }
+  }
+  if (tasks.empty()) return;
+  const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
+  const fVec lane = [] {
+    float idx[W];
+    for (int64_t w = 0; w < W; ++w) idx[w] = static_cast<float>(w);
+    return fVec::loadu(idx);
+  }();
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const fVec scale_v(static_cast<float>(scale));
+
+  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded_rows = (kPrefillTile * group + R - 1) / R * R;
+    std::vector<float> qf(padded_rows * head_dim, 0.f), acc(padded_rows * head_dim), kt(kKeyVecs * head_dim * W),
+        vf(kStepKeys * head_dim), p(R * kStepKeys), row_max(padded_rows), row_sum(padded_rows), correction(R);
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (const int64_t index : assigned[thread]) {
+        const PrefillTask& task = tasks[index];
+        const int64_t b = task.seq, q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
+        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * group;
+        const int64_t* blocks = tables + b * max_blocks;
+        // Row r is query token first + r / group, head kv_head * group + r % group; pre-scaled.
+        for (int64_t t = 0; t < tokens; ++t) {
+          const int64_t token = starts[b] + task.first + t;
+          float* dst = qf.data() + t * group * head_dim;
+          to_float(q_ptr + (token * num_heads + task.kv_head * group) * head_dim, dst, group * head_dim);
+          at::vec::map([&](fVec x) { return x * scale_v; }, dst, dst, group * head_dim);
+        }
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(row_max.begin(), row_max.end(), kMinusInf);
+        std::fill(row_sum.begin(), row_sum.end(), 0.f);
+        const int64_t last_position = context + task.first + tokens - 1;
+        for (int64_t step_first = 0; step_first <= last_position; step_first += kStepKeys) {
+          // Each W-key chunk lies in one block (block_size is a multiple of W). Keys past the sequence's
+          // end (or past the tile's last position) are masked below and their K and V zeroed: a reused
+          // block holds anything there.
+          const int n = static_cast<int>(std::min<int64_t>(kKeyVecs, (last_position - step_first) / W + 1));
+          for (int c = 0; c < kKeyVecs; ++c) {
+            const int64_t first_key = step_first + c * W;
+            const int64_t valid = c < n ? std::min(W, lens[b] - first_key) : 0;
+            const int64_t base = valid > 0 ? blocks[first_key / block_size] * block_stride +
+                                                 task.kv_head * head_stride + (first_key % block_size) * row_stride
+                                           : 0;
+            float* kt_c = kt.data() + c * head_dim * W;
+            for (int64_t w = 0; w < W; ++w) {
+              float* v_row = vf.data() + (c * W + w) * head_dim;
+              if (w < valid) {
+                to_float(v_ptr + base + w * row_stride, v_row, head_dim);
+                const scalar_t* k_row = k_ptr + base + w * row_stride;
+                for (int64_t d = 0; d < head_dim; ++d) kt_c[d * W + w] = static_cast<float>(k_row[d]);
+              } else {
+                std::fill(v_row, v_row + head_dim, 0.f);
+                for (int64_t d = 0; d < head_dim; ++d) kt_c[d * W + w] = 0.f;
+              }
+            }
+          }
+          const int64_t step_keys = n * W;
+          // Rows whose token precedes the whole step see none of it.
+          const int64_t first_row = std::max<int64_t>(0, (step_first - context - task.first) * group);
+          for (int64_t r0 = first_row / R * R; r0 < rows; r0 += R) {
+            fVec s[R][kKeyVecs];
+            step_scores<R>(qf.data() + r0 * head_dim, head_dim, kt.data(), s);
+            for (int r = 0; r < R; ++r) {
+              const int64_t row = r0 + r;
+              float* p_r = p.data() + r * kStepKeys;
+              const int64_t position = context + task.first + std::min(row, rows - 1) / group;
+              if (row >= rows || position < step_first) {
+                correction[r] = 1.f;
+                std::fill(p_r, p_r + step_keys, 0.f);
+                continue;
+              }
+              // Keys after the row's own position (and any past the sequence's end) are masked.
+              fVec step_max(kMinusInf);
+              for (int c = 0; c < kKeyVecs; ++c) {
+                const int64_t after = position - (step_first + c * W);
+                if (after < W - 1) s[r][c] = fVec::blendv(s[r][c], fVec(kMinusInf), lane > fVec(static_cast<float>(after)));
+                step_max = at::vec::maximum(step_max, s[r][c]);
+              }
+              const float new_max = std::max(
+                  row_max[row], at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, step_max));
+              correction[r] = std::exp(row_max[row] - new_max);
+              fVec sum(0.f);
+              for (int c = 0; c < kKeyVecs; ++c) {
+                const fVec probs = (s[r][c] - fVec(new_max)).exp_u20();
+                probs.store(p_r + c * W);
+                sum = sum + probs;
+              }
+              row_sum[row] = row_sum[row] * correction[r] +
+                             at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sum);
+              row_max[row] = new_max;
+            }
+            step_values<NV, R>(p.data(), kStepKeys, vf.data(), step_keys, correction.data(), acc.data() + r0 * head_dim);
+          }
+        }
+        for (int64_t row = 0; row < rows; ++row) {
+          const int64_t token = starts[b] + task.first + row / group;
+          const int64_t head = task.kv_head * group + row % group;
+          float* a = acc.data() + row * head_dim;
+          const fVec inv(row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f);
+          at::vec::map([&](fVec x) { return x * inv; }, a, a, head_dim);
+          at::vec::convert(a, out_ptr + (token * num_heads + head) * head_dim, head_dim);
+        }
+      }
+    }
+  });
+}
+
+// Whole float vectors per head and per KV block (a chunk of W keys never straddles two blocks).
+bool prefill_attention_supported(int64_t head_dim, int64_t block_size) {
+  const int64_t nv = head_dim / fVec::size();
+  return head_dim % fVec::size() == 0 && (nv == 4 || nv == 8 || nv == 16) && block_size % fVec::size() == 0;
+}
+
+at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                   const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                   const at::Tensor& query_start_loc, double scale) {
+  check_cpu(q, "q");
+  TORCH_CHECK(q.dim() == 3, "q must be [tokens, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
+              "k_cache and v_cache must be matching [num_blocks, num_kv_heads, block_size, head_dim] views");
+  TORCH_CHECK(k_cache.stride(3) == 1, "the caches' head_dim must be contiguous");
+  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+              "q and the caches must share a dtype");
+  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  TORCH_CHECK(prefill_attention_supported(q.size(2), k_cache.size(2)), "no native prefill attention for head_dim ",
+              q.size(2), " with block_size ", k_cache.size(2), "; run with --cpu-kernels reference");
+  TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&
+                  query_start_loc.scalar_type() == at::kLong,
+              "block_tables, seq_lens and query_start_loc must be int64");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == seq_lens.numel() &&
+                  query_start_loc.numel() == seq_lens.numel() + 1,
+              "block_tables [batch, max_blocks], seq_lens [batch] and query_start_loc [batch + 1] must agree");
+  const at::Tensor qc = q.contiguous();
+  const at::Tensor tables = block_tables.contiguous(), lens = seq_lens.contiguous();
+  const at::Tensor starts = query_start_loc.contiguous();
+  TORCH_CHECK(starts.numel() == 0 || (starts.data_ptr<int64_t>()[0] >= 0 &&
+                                      starts.data_ptr<int64_t>()[starts.numel() - 1] <= q.size(0)),
+              "query_start_loc must lie within q's ", q.size(0), " tokens");
+  at::Tensor out = at::empty_like(qc);
+  dispatch_dtype(q.scalar_type(), "paged_prefill_attention", [&]<typename scalar_t>() {
+    switch (q.size(2) / fVec::size()) {
+      case 4:
+        return prefill_attention_impl<scalar_t, 4>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+      case 8:
+        return prefill_attention_impl<scalar_t, 8>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+      default:
+        return prefill_attention_impl<scalar_t, 16>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+    }
   });
   return out;
 }
@@ -641,6 +896,9 @@ TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("decode_attention_supported(int head_dim, int group) -> bool", &decode_attention_supported);
+  m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+        "Tensor query_start_loc, float scale) -> Tensor");
+  m.def("prefill_attention_supported(int head_dim, int block_size) -> bool", &prefill_attention_supported);
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate_up) -> Tensor");
@@ -651,6 +909,7 @@ TORCH_LIBRARY(meshserve_cpu, m) {
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_prefill_attention", &paged_prefill_attention);
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("silu_and_mul", &silu_and_mul);

@@ -16,10 +16,15 @@ def _native_decode_shape(head_dim: int, group: int) -> bool:
     return bool(torch.ops.meshserve_cpu.decode_attention_supported(head_dim, group))
 
 
-class NativeCpuOps(ReferenceOps):
-    """The reference ops with native fused norms, SwiGLU, rotary, KV cache write and decode attention.
+@functools.cache
+def _native_prefill_shape(head_dim: int, block_size: int) -> bool:
+    return bool(torch.ops.meshserve_cpu.prefill_attention_supported(head_dim, block_size))
 
-    The elementwise kernels round exactly as the reference does; decode attention keeps scores and
+
+class NativeCpuOps(ReferenceOps):
+    """The reference ops with native fused norms, SwiGLU, rotary, KV cache write, decode and prefill attention.
+
+    The elementwise kernels round exactly as the reference does; attention keeps scores and
     probabilities in float32 where the reference rounds them to the compute dtype.
     """
 
@@ -80,3 +85,25 @@ class NativeCpuOps(ReferenceOps):
             # kernel has no register layout for: the reference handles both.
             return super().decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
         return torch.ops.meshserve_cpu.paged_decode_attention(q, k_view, v_view, block_tables, seq_lens, scale)
+
+    def prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        scale: float,
+        layout: str,
+    ) -> torch.Tensor:
+        """Every prefill chunk in one call, reading its blocks in place. torch's CPU SDPA ran SmolLM2's
+        512-token causal prefill at ~60 GFLOP/s in bf16, a third of a prefill step (docs/benchmarks.md)."""
+        k_view, v_view = attention.head_major(k_cache, layout), attention.head_major(v_cache, layout)
+        if k_cache.dtype != q.dtype or not _native_prefill_shape(q.shape[2], k_view.shape[2]):
+            return super().prefill_attention(
+                q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout
+            )
+        return torch.ops.meshserve_cpu.paged_prefill_attention(
+            q, k_view, v_view, block_tables, seq_lens, query_start_loc, scale
+        )

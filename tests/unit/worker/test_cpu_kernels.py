@@ -19,6 +19,7 @@ from services.worker.layers.attention import (
     cache_shape,
     decode_attention,
     head_major,
+    prefill_attention,
     reshape_and_cache,
 )
 from services.worker.layers.quantization import int8_linear_reference, quantize_int8
@@ -141,7 +142,7 @@ def test_decode_attention_matches_the_reference(
     assert got.dtype == dtype
 
 
-def test_paged_attention_mixes_native_decodes_with_reference_prefills(native: NativeCpuOps) -> None:
+def test_paged_attention_mixes_native_decodes_with_native_prefills(native: NativeCpuOps) -> None:
     """A step with prefill chunks and decodes: NativeCpuOps equals ReferenceOps row for row."""
     lens = [40, 1, 70, 23]
     _, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, 9, 3, 64, HND, torch.float32)
@@ -152,6 +153,81 @@ def test_paged_attention_mixes_native_decodes_with_reference_prefills(native: Na
     starts = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
     args = (q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
     torch.testing.assert_close(native.paged_attention(*args), ReferenceOps(HND).paged_attention(*args))
+
+
+def _prefill_batch(
+    lens: list[int],
+    query_lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    layout: str,
+    dtype: torch.dtype,
+    block_size: int = 16,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [T, Hq, D] (each sequence's last query_lens[b] tokens), caches with the sequences in shuffled blocks,
+    their unused slots holding huge keys and NaN values (a reused block holds anything), tables, seq_lens
+    and query_start_loc."""
+    g = torch.Generator().manual_seed(sum(lens) + sum(query_lens) + num_heads + head_dim)
+    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 4
+    shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout)
+    k_cache = torch.full(shape, 3e4).to(dtype)
+    v_cache = torch.full(shape, float("nan")).to(dtype)
+    free = torch.randperm(num_blocks, generator=g).tolist()
+    tables = []
+    for n in lens:
+        blocks = [free.pop() for _ in range(math.ceil(n / block_size))]
+        tables.append(blocks)
+        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(n)])
+        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        v = torch.randn(n, num_kv_heads, head_dim, generator=g)
+        reshape_and_cache(k.to(dtype), v.to(dtype), k_cache, v_cache, slots, layout)
+    width = max(len(t) for t in tables)
+    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
+    starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()])
+    q = (torch.randn(sum(query_lens), num_heads, head_dim, generator=g) * 3).to(dtype)
+    return q, k_cache, v_cache, block_tables, torch.tensor(lens), starts
+
+
+@pytest.mark.parametrize("layout", [HND, NHD])
+@pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 64), (8, 1, 128), (16, 2, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_attention_matches_the_reference(
+    native: NativeCpuOps, layout: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+) -> None:
+    # Whole prompts and chunks after a cached context; query lengths around the kernel's 16-token tiles and
+    # its 64-key steps (one short of, on and past them), lengths ending mid-block, a decode among them, and
+    # one 300-token prompt.
+    lens = [40, 1, 70, 23, 300, 17, 16, 129, 65]
+    query_lens = [40, 1, 12, 5, 300, 2, 16, 33, 64]
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_batch(
+        lens, query_lens, num_heads, num_kv_heads, head_dim, layout, dtype
+    )
+    scale = head_dim**-0.5
+    got = torch.ops.meshserve_cpu.paged_prefill_attention(
+        q, head_major(k_cache, layout), head_major(v_cache, layout), tables, seq_lens, starts, scale
+    )
+    # The reference in float32 is the truth; the kernel keeps scores and softmax in float32 too.
+    truth = prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts, scale, layout)
+    prefill_rows = torch.ones(q.shape[0], dtype=torch.bool)
+    prefill_rows[starts[1]] = False  # the decode's row is the decode kernel's
+    tolerance = 1e-5 if dtype == torch.float32 else 2**-7
+    assert got.dtype == dtype and not got[prefill_rows].isnan().any()
+    torch.testing.assert_close(got[prefill_rows].float(), truth[prefill_rows], rtol=tolerance, atol=tolerance)
+
+
+def test_prefill_attention_falls_back_where_the_kernel_has_no_layout(native: NativeCpuOps) -> None:
+    assert torch.ops.meshserve_cpu.prefill_attention_supported(64, 16)
+    assert torch.ops.meshserve_cpu.prefill_attention_supported(128, 32)
+    assert not torch.ops.meshserve_cpu.prefill_attention_supported(48, 16)  # not whole vectors
+    assert not torch.ops.meshserve_cpu.prefill_attention_supported(64, 4)  # a key chunk would straddle blocks
+    # Blocks of 4 tokens: NativeCpuOps takes the reference path and agrees with it.
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_batch([30, 9], [30, 4], 4, 2, 64, HND, torch.float32, 4)
+    k_cache, v_cache = k_cache.nan_to_num(0.0), v_cache.nan_to_num(0.0)
+    args = (q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
+    torch.testing.assert_close(native.paged_attention(*args), ReferenceOps(HND).paged_attention(*args))
+    with pytest.raises(RuntimeError, match="no native prefill attention for head_dim 64 with block_size 4"):
+        torch.ops.meshserve_cpu.paged_prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, 0.125)
 
 
 def test_unsupported_head_shapes_take_the_reference_path(native: NativeCpuOps) -> None:
@@ -190,6 +266,16 @@ def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
         attend(q, k_cache, v_cache, tables, torch.tensor([5, 999]), 0.125)
     with pytest.raises(RuntimeError, match="must be int64"):
         attend(q, k_cache, v_cache, tables.int(), seq_lens, 0.125)
+    prefill = torch.ops.meshserve_cpu.paged_prefill_attention
+    starts = torch.tensor([0, 1, 2])
+    with pytest.raises(RuntimeError, match="has 2 query tokens but seq_lens 1"):
+        prefill(q, k_cache, v_cache, tables, torch.tensor([5, 1]), torch.tensor([0, 0, 2]), 0.125)
+    with pytest.raises(RuntimeError, match="must lie within q's 2 tokens"):
+        prefill(q, k_cache, v_cache, tables, seq_lens, torch.tensor([0, 1, 3]), 0.125)
+    with pytest.raises(RuntimeError, match=r"query_start_loc \[batch \+ 1\] must agree"):
+        prefill(q, k_cache, v_cache, tables, seq_lens, starts[:2], 0.125)
+    with pytest.raises(RuntimeError, match="does not fit block_tables"):
+        prefill(q, k_cache, v_cache, tables, torch.tensor([5, 999]), starts, 0.125)
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         torch.ops.meshserve_cpu.rms_norm(
             torch.ones(2, 4, dtype=torch.float64), torch.ones(4, dtype=torch.float64), 1e-6
@@ -259,7 +345,7 @@ import torch
 torch.backends.cpu.get_cpu_capability = lambda: "DEFAULT"
 from services.worker.kernels import loader
 from services.worker.layers import norm
-from services.worker.layers.attention import HND, decode_attention
+from services.worker.layers.attention import HND, decode_attention, prefill_attention
 
 assert loader.isa() == ("portable", [])
 torch.ops.load_library(str(loader.build(Path(sys.argv[1]))))
@@ -271,6 +357,10 @@ tables = torch.tensor([[3, 1, 0], [5, 0, 0]])
 lens = torch.tensor([40, 9])
 got = torch.ops.meshserve_cpu.paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.125)
 torch.testing.assert_close(got, decode_attention(q, k_cache, v_cache, tables, lens, 0.125, HND))
+starts = torch.tensor([0, 30, 39])
+q = torch.randn(39, 4, 64, generator=g)
+got = torch.ops.meshserve_cpu.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, 0.125)
+torch.testing.assert_close(got, prefill_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, HND))
 x, w = torch.randn(3, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
 torch.testing.assert_close(torch.ops.meshserve_cpu.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), rtol=2**-7, atol=0)
 print("portable ok")
