@@ -277,10 +277,11 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
   });
 }
 
-at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+// q [rows, Hq, D] and the head-major cache views both attention kernels read.
+void check_paged_attention_args(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                const char* q_shape) {
   check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 3, "q must be [batch, num_heads, head_dim], got ", q.sizes());
+  TORCH_CHECK(q.dim() == 3, "q must be ", q_shape, ", got ", q.sizes());
   TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
               "k_cache and v_cache must be matching [num_blocks, num_kv_heads, block_size, head_dim] views");
   TORCH_CHECK(k_cache.stride(3) == 1, "the caches' head_dim must be contiguous");
@@ -288,6 +289,11 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
               "q and the caches must share a dtype");
   TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+}
+
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  check_paged_attention_args(q, k_cache, v_cache, "[batch, num_heads, head_dim]");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong,
               "block_tables and seq_lens must be int64");
   TORCH_CHECK(block_tables.dim() == 2 && block_tables.size(0) == q.size(0) && seq_lens.numel() == q.size(0),
@@ -520,15 +526,7 @@ bool prefill_attention_supported(int64_t head_dim, int64_t block_size) {
 at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                                    const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                    const at::Tensor& query_start_loc, double scale) {
-  check_cpu(q, "q");
-  TORCH_CHECK(q.dim() == 3, "q must be [tokens, num_heads, head_dim], got ", q.sizes());
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() && v_cache.strides() == k_cache.strides(),
-              "k_cache and v_cache must be matching [num_blocks, num_kv_heads, block_size, head_dim] views");
-  TORCH_CHECK(k_cache.stride(3) == 1, "the caches' head_dim must be contiguous");
-  TORCH_CHECK(k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
-              "q and the caches must share a dtype");
-  TORCH_CHECK(k_cache.size(3) == q.size(2), "head_dim differs between q and the caches");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "num_heads must be a multiple of num_kv_heads");
+  check_paged_attention_args(q, k_cache, v_cache, "[tokens, num_heads, head_dim]");
   TORCH_CHECK(prefill_attention_supported(q.size(2), k_cache.size(2)), "no native prefill attention for head_dim ",
               q.size(2), " with block_size ", k_cache.size(2), "; run with --cpu-kernels reference");
   TORCH_CHECK(block_tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong &&

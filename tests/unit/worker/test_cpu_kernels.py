@@ -101,25 +101,12 @@ def test_silu_and_mul_is_bit_identical_to_the_reference(native: NativeCpuOps, dt
 def _paged_batch(
     lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layout: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, Hq, D] and caches holding each sequence in shuffled blocks; tables padded with block 0."""
-    g = torch.Generator().manual_seed(sum(lens) + num_heads + head_dim)
-    block_size = 16
-    num_blocks = sum(math.ceil(n / block_size) for n in lens) + 4
-    k_cache = torch.zeros(cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout), dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    free = torch.randperm(num_blocks, generator=g).tolist()
-    tables = []
-    for n in lens:
-        blocks = [free.pop() for _ in range(math.ceil(n / block_size))]
-        tables.append(blocks)
-        slots = torch.tensor([blocks[p // block_size] * block_size + p % block_size for p in range(n)])
-        k = torch.randn(n, num_kv_heads, head_dim, generator=g)
-        v = torch.randn(n, num_kv_heads, head_dim, generator=g)
-        reshape_and_cache(k.to(dtype), v.to(dtype), k_cache, v_cache, slots, layout)
-    width = max(len(t) for t in tables)
-    block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables])
-    q = torch.randn(len(lens), num_heads, head_dim, generator=g).to(dtype)
-    return q, k_cache, v_cache, block_tables, torch.tensor(lens)
+    """q [B, Hq, D] (one query token per sequence) and caches holding each sequence in shuffled blocks,
+    unused slots zero; tables padded with block 0."""
+    q, k_cache, v_cache, tables, seq_lens, _ = _prefill_batch(
+        lens, [1] * len(lens), num_heads, num_kv_heads, head_dim, layout, dtype, poison_unused=False
+    )
+    return q, k_cache, v_cache, tables, seq_lens
 
 
 @pytest.mark.parametrize("layout", [HND, NHD])
@@ -164,15 +151,17 @@ def _prefill_batch(
     layout: str,
     dtype: torch.dtype,
     block_size: int = 16,
+    *,
+    poison_unused: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [T, Hq, D] (each sequence's last query_lens[b] tokens), caches with the sequences in shuffled blocks,
-    their unused slots holding huge keys and NaN values (a reused block holds anything), tables, seq_lens
-    and query_start_loc."""
+    tables, seq_lens and query_start_loc. With poison_unused the unused slots hold huge keys and NaN values
+    (a reused block holds anything; the padded decode reference reads them, so its tests get zeros)."""
     g = torch.Generator().manual_seed(sum(lens) + sum(query_lens) + num_heads + head_dim)
     num_blocks = sum(math.ceil(n / block_size) for n in lens) + 4
     shape = cache_shape(num_blocks, block_size, num_kv_heads, head_dim, layout)
-    k_cache = torch.full(shape, 3e4).to(dtype)
-    v_cache = torch.full(shape, float("nan")).to(dtype)
+    k_cache = torch.full(shape, 3e4 if poison_unused else 0.0).to(dtype)
+    v_cache = torch.full(shape, float("nan") if poison_unused else 0.0).to(dtype)
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
     for n in lens:
