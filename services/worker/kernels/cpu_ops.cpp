@@ -313,73 +313,107 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // Prefill chunks: each sequence's query rows (its last q_len cached tokens) against every cached token up
 // to their own position, flash-style. A task is one (sequence, KV head, tile of kPrefillTile query
 // tokens); its rows are the tile's tokens times the group's query heads, token-major. Keys go kKeyVecs
-// float vectors (W keys each) at a time: each W-key chunk's K is widened and transposed once per task to
-// [D][W], so a row's W scores are D fused multiply-adds of a broadcast query element with no horizontal
-// sums, and its V widened to [W][D]. The softmax runs online per row (running max and sum), one update
-// per kKeyVecs * W keys, all in float32.
+// float vectors (W keys each) at a time, one step: the step's K and V are laid out once per task for the
+// dot products (the Operands below), a row's W scores come from D products of a broadcast query element
+// with no horizontal sums, and the softmax runs online per row (running max and sum, float32), one update
+// per step.
 constexpr int64_t kPrefillTile = 16;
 constexpr int kKeyVecs = 4;
-
-// R rows' scores against the step's chunks: s[r][c] = sum over d of q[r][d] * kt[c][d][:]. Every bound is
-// a constant, so the R * kKeyVecs sums stay in registers.
-template <int R>
-inline void step_scores(const float* q, int64_t head_dim, const float* kt, fVec (&s)[R][kKeyVecs]) {
-  constexpr int64_t W = fVec::size();
-  // Local sums, copied out once: through the reference the compiler must assume q or kt alias them and
-  // stores every sum on every iteration.
-  fVec sums[R][kKeyVecs];
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVecs; ++c) sums[r][c] = fVec(0.f);
-  for (int64_t d = 0; d < head_dim; ++d) {
-    fVec q_d[R];
-    for (int r = 0; r < R; ++r) q_d[r] = fVec(q[r * head_dim + d]);
-    for (int c = 0; c < kKeyVecs; ++c) {
-      const fVec kd = fVec::loadu(kt + (c * head_dim + d) * W);
-      for (int r = 0; r < R; ++r) sums[r][c] = at::vec::fmadd(q_d[r], kd, sums[r][c]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < kKeyVecs; ++c) s[r][c] = sums[r][c];
-}
-
-// R rows' accumulators (NV vectors a row, in registers) scaled by their correction, then += p[r][k] * v[k]
-// over the step's `keys` keys.
-template <int NV, int R>
-inline void step_values(const float* p, int64_t p_stride, const float* v, int64_t keys, const float* correction,
-                        float* acc) {
-  constexpr int64_t W = fVec::size();
-  fVec a[R][NV];
-  for (int r = 0; r < R; ++r) {
-    const fVec c(correction[r]);
-    for (int j = 0; j < NV; ++j) a[r][j] = fVec::loadu(acc + (r * NV + j) * W) * c;
-  }
-  for (int64_t k = 0; k < keys; ++k) {
-    fVec p_k[R];
-    for (int r = 0; r < R; ++r) p_k[r] = fVec(p[r * p_stride + k]);
-    for (int j = 0; j < NV; ++j) {
-      const fVec vk = fVec::loadu(v + (k * NV + j) * W);
-      for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(p_k[r], vk, a[r][j]);
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int j = 0; j < NV; ++j) a[r][j].store(acc + (r * NV + j) * W);
-}
-
-struct PrefillTask {
-  int64_t seq, kv_head, first;  // the tile's first query token, counted within the sequence's query
-};
 
 // Rows per register block: R rows' scores and NV-vector accumulators stay in registers.
 template <int NV>
 constexpr int kRowBlock = NV >= 16 ? 1 : 16 / NV;
 
+// The float32 operands: every dtype, every ISA. Queries widened and pre-scaled; each W-key chunk's K widened
+// and transposed to [D][W], its V widened to [W][D]; scores and the weighted sum are float FMAs.
 template <typename scalar_t, int NV>
+class WidenedOperands {
+ public:
+  static constexpr int64_t W = fVec::size();
+  static constexpr int64_t D = NV * W;
+  static constexpr int R = kRowBlock<NV>;
+
+  explicit WidenedOperands(int64_t padded_rows)
+      : q_(padded_rows * D, 0.f), kt_(kKeyVecs * D * W), v_(kKeyVecs * W * D) {}
+
+  // Row r <- q_rows[r] * scale, for `rows` contiguous rows (a token's heads lie side by side).
+  void load_queries(int64_t first_row, const scalar_t* q_rows, int64_t rows, float scale) {
+    float* dst = q_.data() + first_row * D;
+    to_float(q_rows, dst, rows * D);
+    at::vec::map([&](fVec x) { return x * fVec(scale); }, dst, dst, rows * D);
+  }
+
+  // Chunk c's W keys: rows k + w * row_stride (and v's), the first `valid` of them there, the rest zeros.
+  void load_chunk(int c, const scalar_t* k, const scalar_t* v, int64_t row_stride, int64_t valid) {
+    float* kt_c = kt_.data() + c * D * W;
+    for (int64_t w = 0; w < W; ++w) {
+      float* v_row = v_.data() + (c * W + w) * D;
+      if (w < valid) {
+        to_float(v + w * row_stride, v_row, D);
+        const scalar_t* k_row = k + w * row_stride;
+        for (int64_t d = 0; d < D; ++d) kt_c[d * W + w] = static_cast<float>(k_row[d]);
+      } else {
+        std::fill(v_row, v_row + D, 0.f);
+        for (int64_t d = 0; d < D; ++d) kt_c[d * W + w] = 0.f;
+      }
+    }
+  }
+
+  // R rows' scores against the step's chunks: s[r][c] = sum over d of q[r][d] * kt[c][d][:]. Every bound is
+  // a constant, so the R * kKeyVecs sums stay in registers (local sums, copied out once: through the
+  // reference the compiler must assume q or kt alias them and stores every sum on every iteration).
+  void scores(int64_t r0, fVec (&s)[R][kKeyVecs]) const {
+    const float* q = q_.data() + r0 * D;
+    fVec sums[R][kKeyVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeyVecs; ++c) sums[r][c] = fVec(0.f);
+    for (int64_t d = 0; d < D; ++d) {
+      fVec q_d[R];
+      for (int r = 0; r < R; ++r) q_d[r] = fVec(q[r * D + d]);
+      for (int c = 0; c < kKeyVecs; ++c) {
+        const fVec kd = fVec::loadu(kt_.data() + (c * D + d) * W);
+        for (int r = 0; r < R; ++r) sums[r][c] = at::vec::fmadd(q_d[r], kd, sums[r][c]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeyVecs; ++c) s[r][c] = sums[r][c];
+  }
+
+  // R rows' accumulators (NV vectors a row, in registers) scaled by their correction, then += p[r][k] * v[k]
+  // over the step's `keys` keys.
+  void values(const float* p, int64_t p_stride, int64_t keys, const float* correction, float* acc) const {
+    fVec a[R][NV];
+    for (int r = 0; r < R; ++r) {
+      const fVec c(correction[r]);
+      for (int j = 0; j < NV; ++j) a[r][j] = fVec::loadu(acc + (r * NV + j) * W) * c;
+    }
+    for (int64_t k = 0; k < keys; ++k) {
+      fVec p_k[R];
+      for (int r = 0; r < R; ++r) p_k[r] = fVec(p[r * p_stride + k]);
+      for (int j = 0; j < NV; ++j) {
+        const fVec vk = fVec::loadu(v_.data() + (k * NV + j) * W);
+        for (int r = 0; r < R; ++r) a[r][j] = at::vec::fmadd(p_k[r], vk, a[r][j]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) a[r][j].store(acc + (r * NV + j) * W);
+  }
+
+ private:
+  std::vector<float> q_, kt_, v_;
+};
+
+struct PrefillTask {
+  int64_t seq, kv_head, first;  // the tile's first query token, counted within the sequence's query
+};
+
+template <typename scalar_t, typename Operands>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
                             const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
   constexpr int64_t W = fVec::size();
   constexpr int64_t kStepKeys = kKeyVecs * W;
-  constexpr int R = kRowBlock<NV>;
+  constexpr int R = Operands::R;
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
@@ -419,24 +453,23 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
     return fVec::loadu(idx);
   }();
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
-  const fVec scale_v(static_cast<float>(scale));
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t padded_rows = (kPrefillTile * group + R - 1) / R * R;
-    std::vector<float> qf(padded_rows * head_dim, 0.f), acc(padded_rows * head_dim), kt(kKeyVecs * head_dim * W),
-        vf(kStepKeys * head_dim), p(R * kStepKeys), row_max(padded_rows), row_sum(padded_rows), correction(R);
+    Operands operands(padded_rows);
+    std::vector<float> acc(padded_rows * head_dim), p(R * kStepKeys), row_max(padded_rows), row_sum(padded_rows),
+        correction(R);
     for (int64_t thread = begin; thread < end; ++thread) {
       for (const int64_t index : assigned[thread]) {
         const PrefillTask& task = tasks[index];
         const int64_t b = task.seq, q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
         const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * group;
         const int64_t* blocks = tables + b * max_blocks;
-        // Row r is query token first + r / group, head kv_head * group + r % group; pre-scaled.
+        // Row r is query token first + r / group, head kv_head * group + r % group.
         for (int64_t t = 0; t < tokens; ++t) {
           const int64_t token = starts[b] + task.first + t;
-          float* dst = qf.data() + t * group * head_dim;
-          to_float(q_ptr + (token * num_heads + task.kv_head * group) * head_dim, dst, group * head_dim);
-          at::vec::map([&](fVec x) { return x * scale_v; }, dst, dst, group * head_dim);
+          operands.load_queries(t * group, q_ptr + (token * num_heads + task.kv_head * group) * head_dim, group,
+                                static_cast<float>(scale));
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(row_max.begin(), row_max.end(), kMinusInf);
@@ -453,25 +486,14 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
             const int64_t base = valid > 0 ? blocks[first_key / block_size] * block_stride +
                                                  task.kv_head * head_stride + (first_key % block_size) * row_stride
                                            : 0;
-            float* kt_c = kt.data() + c * head_dim * W;
-            for (int64_t w = 0; w < W; ++w) {
-              float* v_row = vf.data() + (c * W + w) * head_dim;
-              if (w < valid) {
-                to_float(v_ptr + base + w * row_stride, v_row, head_dim);
-                const scalar_t* k_row = k_ptr + base + w * row_stride;
-                for (int64_t d = 0; d < head_dim; ++d) kt_c[d * W + w] = static_cast<float>(k_row[d]);
-              } else {
-                std::fill(v_row, v_row + head_dim, 0.f);
-                for (int64_t d = 0; d < head_dim; ++d) kt_c[d * W + w] = 0.f;
-              }
-            }
+            operands.load_chunk(c, k_ptr + base, v_ptr + base, row_stride, std::max<int64_t>(valid, 0));
           }
           const int64_t step_keys = n * W;
           // Rows whose token precedes the whole step see none of it.
           const int64_t first_row = std::max<int64_t>(0, (step_first - context - task.first) * group);
           for (int64_t r0 = first_row / R * R; r0 < rows; r0 += R) {
             fVec s[R][kKeyVecs];
-            step_scores<R>(qf.data() + r0 * head_dim, head_dim, kt.data(), s);
+            operands.scores(r0, s);
             for (int r = 0; r < R; ++r) {
               const int64_t row = r0 + r;
               float* p_r = p.data() + r * kStepKeys;
@@ -501,7 +523,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
                              at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sum);
               row_max[row] = new_max;
             }
-            step_values<NV, R>(p.data(), kStepKeys, vf.data(), step_keys, correction.data(), acc.data() + r0 * head_dim);
+            operands.values(p.data(), kStepKeys, step_keys, correction.data(), acc.data() + r0 * head_dim);
           }
         }
         for (int64_t row = 0; row < rows; ++row) {
@@ -545,11 +567,14 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   dispatch_dtype(q.scalar_type(), "paged_prefill_attention", [&]<typename scalar_t>() {
     switch (q.size(2) / fVec::size()) {
       case 4:
-        return prefill_attention_impl<scalar_t, 4>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 4>>(qc, k_cache, v_cache, tables, lens,
+                                                                              starts, scale, out);
       case 8:
-        return prefill_attention_impl<scalar_t, 8>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 8>>(qc, k_cache, v_cache, tables, lens,
+                                                                              starts, scale, out);
       default:
-        return prefill_attention_impl<scalar_t, 16>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
+        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 16>>(qc, k_cache, v_cache, tables, lens,
+                                                                              starts, scale, out);
     }
   });
   return out;
