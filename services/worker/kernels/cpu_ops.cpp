@@ -5,7 +5,8 @@
 // The elementwise ops reproduce the pure-torch reference ops' rounding exactly (each torch op rounds its
 // result to the tensor dtype), so swapping them in changes speed, not numbers. Attention keeps scores,
 // softmax and the weighted sum in float32 (the reference rounds scores and probabilities to the dtype),
-// which is at least as accurate.
+// which is at least as accurate; bf16 prefill attention on an AVX512-BF16 CPU multiplies bf16 pairs into
+// float32 sums and rounds only the probabilities to bf16 for the weighted sum, as the reference does.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -15,12 +16,18 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
 #include <initializer_list>
 #include <limits>
 #include <numeric>
 #include <tuple>
 #include <type_traits>
 #include <vector>
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -317,7 +324,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
 // dot products (the Operands below), a row's W scores come from D products of a broadcast query element
 // with no horizontal sums, and the softmax runs online per row (running max and sum, float32), one update
 // per step.
-constexpr int64_t kPrefillTile = 16;
+constexpr int64_t kPrefillTile = 32;
 constexpr int kKeyVecs = 4;
 
 // Rows per register block: R rows' scores and NV-vector accumulators stay in registers.
@@ -402,6 +409,137 @@ class WidenedOperands {
  private:
   std::vector<float> q_, kt_, v_;
 };
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+#define MESHSERVE_BF16_DOT 1
+// The bfloat16 operands where the CPU has AVX512-BF16 (the loader builds with -mavx512bf16 there): each
+// vdpbf16ps multiplies pairs of bf16 exactly and adds both products to a float lane, twice the work of an
+// FMA, so scores and the weighted sum take half the instructions. Operands stay bf16 pairs: a query's
+// (d, d+1), a chunk's K as [D/2][W] pairs ([W][D] read as 32-bit words and transposed), V as [key pair][D]
+// pairs of two keys' elements. Scores are scaled after the products (a pre-scaled query would round); the
+// probabilities are rounded to bf16 for the weighted sum (the reference rounds them to the dtype too),
+// their running sum stays float32.
+template <int NV>
+class Bf16DotOperands {
+ public:
+  static constexpr int64_t W = 16;
+  static constexpr int64_t D = NV * W, D2 = D / 2;
+  static constexpr int R = kRowBlock<NV>;
+  static_assert(fVec::size() == W);
+
+  explicit Bf16DotOperands(int64_t padded_rows)
+      : q_(padded_rows * D2, 0), kt_(kKeyVecs * D2 * W), v_(kKeyVecs * W / 2 * D), p_(R * kKeyVecs * W / 2) {}
+
+  void load_queries(int64_t first_row, const at::BFloat16* q_rows, int64_t rows, float scale) {
+    std::memcpy(q_.data() + first_row * D2, q_rows, rows * D * sizeof(at::BFloat16));
+    scale_ = scale;
+  }
+
+  // K: 32-bit words (d pairs) gathered across the W rows, one vector per pair. V: two keys' rows interleaved
+  // element by element (vpermt2w), 32 elements at a time.
+  void load_chunk(int c, const at::BFloat16* k, const at::BFloat16* v, int64_t row_stride, int64_t valid) {
+    const __mmask16 rows = valid >= W ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+    const __m512i row_words = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_stride / 2));
+    uint32_t* kt_c = kt_.data() + c * D2 * W;
+    const int* k_words = reinterpret_cast<const int*>(k);
+    for (int64_t d = 0; d < D2; ++d)
+      _mm512_storeu_si512(kt_c + d * W, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, row_words,
+                                                                     k_words + d, 4));
+    // vpermt2w indices, as 16-bit pairs: output word i is (va[i], vb[i]) (vb's elements count from 32), for
+    // elements 0-15 of the 32 (low), then 16-31 (high).
+    const __m512i low = _mm512_setr_epi32(0x200000, 0x210001, 0x220002, 0x230003, 0x240004, 0x250005, 0x260006,
+                                          0x270007, 0x280008, 0x290009, 0x2a000a, 0x2b000b, 0x2c000c, 0x2d000d,
+                                          0x2e000e, 0x2f000f);
+    const __m512i high = _mm512_add_epi16(low, _mm512_set1_epi16(16));
+    for (int64_t pair = 0; pair < W / 2; ++pair) {
+      const int64_t first = 2 * pair;
+      const at::BFloat16* a = v + first * row_stride;
+      const at::BFloat16* b = a + row_stride;
+      uint32_t* dst = v_.data() + (c * W / 2 + pair) * D;
+      for (int64_t j = 0; j < D; j += 32) {
+        const __m512i va = first < valid ? _mm512_loadu_si512(a + j) : _mm512_setzero_si512();
+        const __m512i vb = first + 1 < valid ? _mm512_loadu_si512(b + j) : _mm512_setzero_si512();
+        _mm512_storeu_si512(dst + j, _mm512_permutex2var_epi16(va, low, vb));
+        _mm512_storeu_si512(dst + j + 16, _mm512_permutex2var_epi16(va, high, vb));
+      }
+    }
+  }
+
+  void scores(int64_t r0, fVec (&s)[R][kKeyVecs]) const {
+    const uint32_t* q = q_.data() + r0 * D2;
+    __m512 sums[R][kKeyVecs];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeyVecs; ++c) sums[r][c] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D2; ++d) {
+      __m512i q_d[R];
+      for (int r = 0; r < R; ++r) q_d[r] = _mm512_set1_epi32(static_cast<int>(q[r * D2 + d]));
+      for (int c = 0; c < kKeyVecs; ++c) {
+        const __m512i kd = _mm512_loadu_si512(kt_.data() + (c * D2 + d) * W);
+        for (int r = 0; r < R; ++r)
+          sums[r][c] = _mm512_dpbf16_ps(sums[r][c], (__m512bh)q_d[r], (__m512bh)kd);
+      }
+    }
+    const __m512 scale = _mm512_set1_ps(scale_);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeyVecs; ++c) s[r][c] = fVec(_mm512_mul_ps(sums[r][c], scale));
+  }
+
+  void values(const float* p, int64_t p_stride, int64_t keys, const float* correction, float* acc) {
+    // Each row's probabilities as bf16 pairs (keys is a whole number of W-key chunks).
+    for (int r = 0; r < R; ++r)
+      for (int64_t k = 0; k < keys; k += W)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_.data() + r * kKeyVecs * W / 2 + k / 2),
+                            (__m256i)(_mm512_cvtneps_pbh(_mm512_loadu_ps(p + r * p_stride + k))));
+    __m512 a[R][NV];
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(correction[r]);
+      for (int j = 0; j < NV; ++j) a[r][j] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r * NV + j) * W), c);
+    }
+    for (int64_t pair = 0; pair < keys / 2; ++pair) {
+      __m512i p_k[R];
+      for (int r = 0; r < R; ++r) p_k[r] = _mm512_set1_epi32(static_cast<int>(p_[r * kKeyVecs * W / 2 + pair]));
+      for (int j = 0; j < NV; ++j) {
+        const __m512i vk = _mm512_loadu_si512(v_.data() + pair * D + j * W);
+        for (int r = 0; r < R; ++r)
+          a[r][j] = _mm512_dpbf16_ps(a[r][j], (__m512bh)p_k[r], (__m512bh)vk);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < NV; ++j) _mm512_storeu_ps(acc + (r * NV + j) * W, a[r][j]);
+  }
+
+ private:
+  std::vector<uint32_t> q_, kt_, v_, p_;
+  float scale_ = 1.f;
+};
+#endif
+
+// Lane-wise and whole-vector max and sum for the online softmax. Scores hold no NaN (unused slots' keys are
+// zeroed), so AVX512 takes the plain instructions instead of at::vec's NaN-propagating maximum.
+inline fVec max_lanes(const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_max_ps(a, b));
+#else
+  return at::vec::maximum(a, b);
+#endif
+}
+
+inline float max_of(const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return at::vec::maximum(a, b); }, x);
+#endif
+}
+
+inline float sum_of(const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(x);
+#else
+  return at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, x);
+#endif
+}
 
 struct PrefillTask {
   int64_t seq, kv_head, first;  // the tile's first query token, counted within the sequence's query
@@ -508,10 +646,9 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
               for (int c = 0; c < kKeyVecs; ++c) {
                 const int64_t after = position - (step_first + c * W);
                 if (after < W - 1) s[r][c] = fVec::blendv(s[r][c], fVec(kMinusInf), lane > fVec(static_cast<float>(after)));
-                step_max = at::vec::maximum(step_max, s[r][c]);
+                step_max = max_lanes(step_max, s[r][c]);
               }
-              const float new_max = std::max(
-                  row_max[row], at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return at::vec::maximum(x, y); }, step_max));
+              const float new_max = std::max(row_max[row], max_of(step_max));
               correction[r] = std::exp(row_max[row] - new_max);
               fVec sum(0.f);
               for (int c = 0; c < kKeyVecs; ++c) {
@@ -519,8 +656,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
                 probs.store(p_r + c * W);
                 sum = sum + probs;
               }
-              row_sum[row] = row_sum[row] * correction[r] +
-                             at::vec::vec_reduce_all<float>([](fVec& x, fVec& y) { return x + y; }, sum);
+              row_sum[row] = row_sum[row] * correction[r] + sum_of(sum);
               row_max[row] = new_max;
             }
             operands.values(p.data(), kStepKeys, step_keys, correction.data(), acc.data() + r0 * head_dim);
@@ -537,6 +673,21 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
       }
     }
   });
+}
+
+// The float32 operands, or the bf16 dot products where the build has them.
+template <typename scalar_t, int NV>
+void prefill_attention_for(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+#if defined(MESHSERVE_BF16_DOT)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    return prefill_attention_impl<scalar_t, Bf16DotOperands<NV>>(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                 query_start_loc, scale, out);
+  }
+#endif
+  prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, NV>>(q, k_cache, v_cache, block_tables, seq_lens,
+                                                                   query_start_loc, scale, out);
 }
 
 // Whole float vectors per head and per KV block (a chunk of W keys never straddles two blocks).
@@ -567,14 +718,11 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
   dispatch_dtype(q.scalar_type(), "paged_prefill_attention", [&]<typename scalar_t>() {
     switch (q.size(2) / fVec::size()) {
       case 4:
-        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 4>>(qc, k_cache, v_cache, tables, lens,
-                                                                              starts, scale, out);
+        return prefill_attention_for<scalar_t, 4>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
       case 8:
-        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 8>>(qc, k_cache, v_cache, tables, lens,
-                                                                              starts, scale, out);
+        return prefill_attention_for<scalar_t, 8>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
       default:
-        return prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, 16>>(qc, k_cache, v_cache, tables, lens,
-                                                                              starts, scale, out);
+        return prefill_attention_for<scalar_t, 16>(qc, k_cache, v_cache, tables, lens, starts, scale, out);
     }
   });
   return out;

@@ -1,7 +1,8 @@
 """Build the native CPU kernels (cpu_ops.cpp) once per machine, cache the library, load it as torch.ops.meshserve_cpu.
 
-The library is compiled for the vector ISA torch itself runs with here (AVX512, AVX2, or portable code), so it
-is built where it runs: by `make install`, by the images' build step, or by the first worker that needs it.
+The library is compiled for the vector ISA torch itself runs with here (AVX512, with or without AVX512-BF16,
+AVX2, or portable code), so it is built where it runs: by `make install`, by the images' build step, or by the
+first worker that needs it.
 A build runs under an flock (released if its process dies) in a private directory, and the finished library
 is renamed into place, so concurrent workers never load a half-written file or wait on a stale lock.
 """
@@ -31,6 +32,9 @@ _X86_ISA_FLAGS = {
     "AVX512": ["-DCPU_CAPABILITY_AVX512", "-mavx512f", "-mavx512dq", "-mavx512vl", "-mavx512bw", "-mfma"],
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
+# On an AVX512 CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later EPYCs) the
+# prefill attention takes its bf16 dot products (vdpbf16ps); the build is its own ISA, cached apart.
+_AVX512_BF16_FLAGS = ["-mavx512bf16"]
 _BASE_FLAGS = ["-O3", "-fopenmp"]
 
 log = structlog.get_logger()
@@ -49,9 +53,11 @@ def default_cache_dir() -> Path:
 def isa() -> tuple[str, list[str]]:
     """(name, compiler flags) of the vector ISA to build for: torch's own capability on x86, portable elsewhere."""
     capability = torch.backends.cpu.get_cpu_capability()
-    if platform.machine().lower() in ("x86_64", "amd64") and capability in _X86_ISA_FLAGS:
-        return capability.lower(), _X86_ISA_FLAGS[capability]
-    return "portable", []
+    if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _X86_ISA_FLAGS:
+        return "portable", []
+    if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        return "avx512_bf16", _X86_ISA_FLAGS[capability] + _AVX512_BF16_FLAGS
+    return capability.lower(), _X86_ISA_FLAGS[capability]
 
 
 def library_path(cache_dir: Path | None = None) -> Path:

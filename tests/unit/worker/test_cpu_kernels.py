@@ -317,6 +317,20 @@ def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.Monke
     assert loader.library_path(tmp_path) != path
 
 
+@pytest.mark.parametrize(("bf16", "expected"), [(True, "avx512_bf16"), (False, "avx512")])
+def test_an_avx512_cpu_with_bf16_dot_products_gets_a_build_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bf16: bool, expected: str
+) -> None:
+    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    name, flags = loader.isa()
+    assert name == expected and ("-mavx512bf16" in flags) is bf16 and "-DCPU_CAPABILITY_AVX512" in flags
+    assert f"-{expected}-" in loader.library_path(tmp_path).parent.name
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
+    assert loader.isa()[0] == "avx2"
+
+
 def test_an_unwritable_cache_fails_with_the_variable_to_set(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
@@ -324,20 +338,25 @@ def test_an_unwritable_cache_fails_with_the_variable_to_set(tmp_path: Path) -> N
         loader.build(blocker / "kernels")
 
 
-_PORTABLE_CHECK = """
+_BUILD_CHECK = """
 import sys
 from pathlib import Path
 
 import torch
 
-# As on a CPU torch knows no SIMD level for (Kunpeng, say): the kernels build without ISA flags.
-torch.backends.cpu.get_cpu_capability = lambda: "DEFAULT"
+mode, cache = sys.argv[1], Path(sys.argv[2])
+if mode == "portable":
+    # As on a CPU torch knows no SIMD level for (Kunpeng, say): the kernels build without ISA flags.
+    torch.backends.cpu.get_cpu_capability = lambda: "DEFAULT"
+else:
+    # An AVX512 CPU without AVX512-BF16 (Skylake, Ice Lake): bf16 prefill attention widens to float32.
+    torch.cpu._is_avx512_bf16_supported = lambda: False
 from services.worker.kernels import loader
 from services.worker.layers import norm
 from services.worker.layers.attention import HND, decode_attention, prefill_attention
 
-assert loader.isa() == ("portable", [])
-torch.ops.load_library(str(loader.build(Path(sys.argv[1]))))
+assert loader.isa()[0] == mode
+torch.ops.load_library(str(loader.build(cache)))
 g = torch.Generator().manual_seed(0)
 k_cache = torch.randn(8, 2, 16, 64, generator=g)
 v_cache = torch.randn(8, 2, 16, 64, generator=g)
@@ -350,17 +369,19 @@ starts = torch.tensor([0, 30, 39])
 q = torch.randn(39, 4, 64, generator=g)
 got = torch.ops.meshserve_cpu.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, 0.125)
 torch.testing.assert_close(got, prefill_attention(q, k_cache, v_cache, tables, lens, starts, 0.125, HND))
+q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
+got = torch.ops.meshserve_cpu.paged_prefill_attention(q, k_cache, v_cache, tables, lens, starts, 0.125)
+truth = prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, lens, starts, 0.125, HND)
+torch.testing.assert_close(got.float(), truth, rtol=2**-7, atol=2**-7)
 x, w = torch.randn(3, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
 torch.testing.assert_close(torch.ops.meshserve_cpu.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), rtol=2**-7, atol=0)
-print("portable ok")
+print(mode, "ok")
 """
 
 
-@pytest.mark.slow
-def test_the_portable_build_compiles_and_matches_the_reference(tmp_path: Path) -> None:
-    """The build non-x86 hosts get (no ISA flags, at::vec's generic vectors), in a fresh process."""
+def _build_and_check(mode: str, cache: Path) -> None:
     result = subprocess.run(
-        [sys.executable, "-c", _PORTABLE_CHECK, str(tmp_path)],
+        [sys.executable, "-c", _BUILD_CHECK, mode, str(cache)],
         capture_output=True,
         text=True,
         check=False,
@@ -368,8 +389,21 @@ def test_the_portable_build_compiles_and_matches_the_reference(tmp_path: Path) -
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "portable ok" in result.stdout
-    assert list(tmp_path.glob("*-portable-*/meshserve_cpu_ops.so"))
+    assert f"{mode} ok" in result.stdout
+    assert list(cache.glob(f"*-{mode}-*/meshserve_cpu_ops.so"))
+
+
+@pytest.mark.slow
+def test_the_portable_build_compiles_and_matches_the_reference(tmp_path: Path) -> None:
+    """The build non-x86 hosts get (no ISA flags, at::vec's generic vectors), in a fresh process."""
+    _build_and_check("portable", tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="needs an AVX512 CPU")
+def test_the_avx512_build_without_bf16_dot_products_matches_the_reference(tmp_path: Path) -> None:
+    """Where the CPU has AVX512 but not AVX512-BF16, bf16 prefill attention takes the float32 operands."""
+    _build_and_check("avx512", tmp_path)
 
 
 @pytest.mark.parametrize("layout", [HND, NHD])
