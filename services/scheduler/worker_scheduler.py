@@ -180,6 +180,9 @@ class WorkerScheduler:
         self.kv_store_saves = 0
         self.kv_store_saves_dropped = 0
         self.kv_store_resumed = 0
+        # A request was swapped out since the last step: the next one tells the worker to send its queued saves
+        # now (Step.kv_saves_flush), since the request resumes from them.
+        self._flush_saves = False
         self.num_steps = 0
         self.num_mixed_steps = 0
         self.max_batch_size = 0
@@ -327,6 +330,7 @@ class WorkerScheduler:
                 if b.block_hash is not None
             )
             self.kv_store_saves += len(step.kv_saves)
+            step.kv_saves_flush, self._flush_saves = self._flush_saves, False
             step.kv_loads.extend(self._pending_loads)
             self._pending_loads = []
         self._pending_removals = []
@@ -686,6 +690,7 @@ class WorkerScheduler:
                 # costs nothing more here; resuming loads them back.
                 saved = min(request.num_computed_tokens, request.num_tokens) // self.block_size
                 request.stored_blocks[kv_format] = max(request.stored_blocks.get(kv_format, 0), saved)
+                self._flush_saves = True
             else:
                 request.stored_blocks.pop(kv_format, None)
         self._remove_running(request)

@@ -9,11 +9,11 @@ the store comes back):
   time. `num_loaded` is the leading blocks verified and written. Nothing here raises into a step.
 - saves: the model thread copies a step's saved blocks (this rank's heads) to CPU bytes right after the
   step, while no later step can have reused them, and queues them; the save thread streams them to the
-  store in Puts of several blocks, gathered over several steps (SAVE_LINGER_S). A full queue or an
-  unreachable store drops blocks (counted), never stalls a step. A store on the same host reads the
-  blocks' bytes from this rank's shared-memory outbox (kv_outbox.py) and the Put carries only where
-  they are; a store that cannot (another host, another user) says so once, and from then on the bytes
-  go in the Put.
+  store in Puts of several blocks, gathered over several steps (SAVE_LINGER_S; a step can ask for them
+  to go at once, Step.kv_saves_flush). A full queue or an unreachable store drops blocks (counted), never
+  stalls a step. A store on the same host reads the blocks' bytes from this rank's shared-memory outbox
+  (kv_outbox.py) and the Put carries only where they are; a store that cannot (another host, another
+  user) says so once, and from then on the bytes go in the Put.
 
 The scheduler reserves a load's blocks until the load is reported done, so writing them from the load
 thread while the model thread runs other steps touches no memory a step reads or writes. On a device the
@@ -59,14 +59,13 @@ PUT_TIMEOUT_S = 30.0
 # Blocks per Put stream: amortises the stream's setup without holding many blocks in one failing call.
 PUT_BATCH_BLOCKS = 64
 # How long the oldest queued save waits for more before its Put starts (unless PUT_BATCH_BLOCKS are queued
-# sooner). A decode step completes a block or two, and a Put call costs about as much CPU on each side
-# (worker and store, ~1.7 ms) as 0.6 MB of its payload, on the cores the forward runs on; waiting a few
-# steps' time sends one Put where there would be several. A save is only ever a later cache hit, so the
-# delay costs nothing but, after a worker's death, the last fraction of a second of saves.
-# Off (0) by default: a killed worker loses its lingering saves, and the suite's kill-and-resume test
-# (test_killed_worker_requests_resume_from_stored_blocks) found no stored blocks to resume from with 0.25 s.
-# Until saves are flushed when a step finishes a request or preempts one, the CPU saving is not worth that.
-SAVE_LINGER_S = 0.0
+# sooner, or a step asks for a flush). A decode step completes a block or two, and each Put costs both sides
+# a fixed share of CPU on the cores the forward runs on: a SmolLM2 store spent ~1.6 ms a block with one Put a
+# step and ~0.7 ms gathering 0.3 s of steps (docs/benchmarks.md, issue 15's tenth step). A save is only ever
+# a later cache hit, so the delay costs nothing but, after a worker's death, the last quarter second of
+# saves; a swapped-out request, which resumes from its saves, has the scheduler flush them at once
+# (Step.kv_saves_flush).
+SAVE_LINGER_S = 0.25
 # Verified blocks written into the cache together: one index_copy_ per layer for all of them.
 SCATTER_BATCH_BYTES = 32 * 1024 * 1024
 # A Put that named shared memory and ended with one of these is sent again with the bytes, and so is every
@@ -196,6 +195,10 @@ class KVTransfer:
         # Saves: queued blocks, counting those in a Put now, so queued memory stays bounded.
         self._saves: collections.deque[_Save] = collections.deque()
         self._saves_held = 0
+        # Saves queued and taken into Puts since start; a flush sends every save queued before it at once.
+        self._saves_queued = 0
+        self._saves_taken = 0
+        self._flush_through = 0
         self._dropped_unreported = 0
         self._store_down = False
         # Owned by the save thread from here on; None: every payload goes in data.
@@ -278,10 +281,17 @@ class KVTransfer:
             if saves:
                 self._saves.extend(saves)
                 self._saves_held += len(saves)
+                self._saves_queued += len(saves)
                 self._saves_changed.notify_all()
             self._count_dropped(dropped)
         if dropped:
             log.debug("kv_saves_dropped", tp_rank=self.rank, blocks=dropped, reason="queue full or bad block")
+
+    def flush_saves(self) -> None:
+        """Send every save queued so far without waiting out the linger (their request resumes from them)."""
+        with self._lock:
+            self._flush_through = self._saves_queued
+            self._saves_changed.notify_all()
 
     def take_dropped(self) -> int:
         """Saves dropped since the last call."""
@@ -533,6 +543,7 @@ class KVTransfer:
                 if self._closed:
                     return
                 batch = [self._saves.popleft() for _ in range(min(PUT_BATCH_BLOCKS, len(self._saves)))]
+                self._saves_taken += len(batch)
             try:
                 self._put(batch)
             except Exception as err:  # never let the thread die
@@ -546,12 +557,17 @@ class KVTransfer:
 
     def _linger(self) -> None:
         """Under the lock: wait until the oldest queued save has waited SAVE_LINGER_S, a whole Put's worth is
-        queued, or the transfer closes."""
-        while not self._closed and 0 < len(self._saves) < PUT_BATCH_BLOCKS:
+        queued, a flush asks for a queued save, or the transfer closes."""
+        while not self._closed and not self._flushing and 0 < len(self._saves) < PUT_BATCH_BLOCKS:
             remaining = self._saves[0].queued_at + self.save_linger_s - time.monotonic()
             if remaining <= 0:
                 return
             self._saves_changed.wait(remaining)
+
+    @property
+    def _flushing(self) -> bool:
+        """Under the lock: whether a save queued before the last flush is still queued."""
+        return self._saves_taken < self._flush_through
 
     def _open_outbox(self) -> KVOutbox | None:
         try:

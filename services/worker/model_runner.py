@@ -409,6 +409,8 @@ class ModelRunner:
         if kv is not None and step.kv_saves:
             # Copied now: the next step may write other tokens into these blocks.
             kv.save(step.kv_saves)
+        if kv is not None and step.kv_saves_flush:
+            kv.flush_saves()
         result.execute_seconds = time.perf_counter() - started
         if kv is not None:
             if not work and kv.num_unreported:

@@ -128,6 +128,22 @@ def test_a_lone_save_goes_once_the_linger_ends(store: tuple[CountingStore, str])
         assert servicer.puts == [1, 2]
 
 
+def test_a_flush_sends_the_queued_saves_without_waiting_out_the_linger(store: tuple[CountingStore, str]) -> None:
+    servicer, address = store
+    with _transfer(address, linger_s=3600.0) as transfer:
+        transfer.save(_refs(range(0, 2), "flush"))
+        transfer.save(_refs(range(2, 3), "flush"))
+        transfer.flush_saves()
+        _wait_saved(transfer, 3)
+        # Saves after the flush linger again: they wait for more (or for the next flush).
+        transfer.save(_refs(range(3, 5), "flush"))
+        time.sleep(0.3)
+        assert transfer.stats.blocks_saved == 3
+        transfer.flush_saves()
+        _wait_saved(transfer, 5)
+        assert servicer.puts == [3, 2]
+
+
 @pytest.mark.parametrize("queued", [3, 0])
 def test_close_ends_the_linger(store: tuple[CountingStore, str], queued: int, monkeypatch: pytest.MonkeyPatch) -> None:
     servicer, address = store

@@ -161,9 +161,15 @@ def test_killed_worker_requests_resume_from_stored_blocks(tiny_model_dir: Path, 
 
         async def run() -> list[Answer]:
             task = asyncio.ensure_future(greedy_token_answers(suite.address, prompts, max_tokens=RESUME_TOKENS))
-            # Strike once worker-1 has saved its prompts' blocks and a few blocks of output.
-            while sum(w.kv_store_saves for w in (await suite.stats()).workers if w.worker_id == "worker-1") < 20:
+            # Strike once worker-1 has saved its prompts' blocks and a few blocks of output: the scheduler has
+            # asked for 20 of its blocks, and the store holds every block asked for by then (a worker gathers
+            # a few steps' saves into one Put, so they reach the store a moment after the step).
+            while True:
+                workers = (await suite.stats()).workers
+                if sum(w.kv_store_saves for w in workers if w.worker_id == "worker-1") >= 20:
+                    break
                 await asyncio.sleep(0.01)
+            await wait_stored(_store(suite), sum(w.kv_store_saves for w in workers))
             suite.workers[1].process.kill()
             suite.workers[1].process.wait()
             return await task

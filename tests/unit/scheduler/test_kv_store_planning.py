@@ -171,6 +171,11 @@ def test_swap_preemption_resumes_from_saved_blocks_with_the_same_output() -> Non
     assert any(s.kv_loads for s in steps)
     assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in refs]
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
+    # The step after each swap-out tells the worker to send its queued saves now; no other step does.
+    flushed = sum(s.kv_saves_flush for s in steps)
+    assert 0 < flushed <= stats.num_preemptions
+    first = next(i for i, s in enumerate(steps) if s.kv_saves_flush)
+    assert not any(s.kv_saves_flush for s in steps[:first])
 
 
 def test_recompute_preemption_does_not_load() -> None:
@@ -182,3 +187,4 @@ def test_recompute_preemption_does_not_load() -> None:
     steps = run(sched, FakeWorker(store=set()))
     assert sched.stats().num_preemptions > 0
     assert not any(s.kv_loads for s in steps)
+    assert not any(s.kv_saves_flush for s in steps)  # nothing resumes from the saves

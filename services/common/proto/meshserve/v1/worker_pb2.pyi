@@ -410,8 +410,14 @@ class Step(_message.Message):
     REMOVED_REQUEST_IDS_FIELD_NUMBER: _builtins.int
     KV_LOADS_FIELD_NUMBER: _builtins.int
     KV_SAVES_FIELD_NUMBER: _builtins.int
+    KV_SAVES_FLUSH_FIELD_NUMBER: _builtins.int
     step_id: _builtins.int
     """Increasing id; the StepResult echoes it."""
+    kv_saves_flush: _builtins.bool
+    """Send every save queued so far (this step's included) to the kvstore now
+    instead of gathering more into the same Put first: a request was
+    preempted, and it resumes from the stored blocks.
+    """
     @_builtins.property
     def new_requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___NewRequest]:
         """Requests the worker has not seen."""
@@ -450,10 +456,11 @@ class Step(_message.Message):
         removed_request_ids: _abc.Iterable[_builtins.str] | None = ...,
         kv_loads: _abc.Iterable[Global___KVLoad] | None = ...,
         kv_saves: _abc.Iterable[Global___KVBlockRef] | None = ...,
+        kv_saves_flush: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_loads", b"kv_loads", "kv_saves", b"kv_saves", "new_requests", b"new_requests", "removed_request_ids", b"removed_request_ids", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["kv_loads", b"kv_loads", "kv_saves", b"kv_saves", "kv_saves_flush", b"kv_saves_flush", "new_requests", b"new_requests", "removed_request_ids", b"removed_request_ids", "scheduled", b"scheduled", "step_id", b"step_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
