@@ -180,8 +180,8 @@ class WorkerScheduler:
         self.kv_store_saves = 0
         self.kv_store_saves_dropped = 0
         self.kv_store_resumed = 0
-        # A request was swapped out since the last step: the next one tells the worker to send its queued saves
-        # now (Step.kv_saves_flush), since the request resumes from them.
+        # A request was swapped out while this step was planned: the step tells the worker to send its queued
+        # saves now (Step.kv_saves_flush), since the request resumes from them.
         self._flush_saves = False
         self.num_steps = 0
         self.num_mixed_steps = 0

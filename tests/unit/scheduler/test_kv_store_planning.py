@@ -171,7 +171,7 @@ def test_swap_preemption_resumes_from_saved_blocks_with_the_same_output() -> Non
     assert any(s.kv_loads for s in steps)
     assert [r.output_token_ids for r in requests] == [r.output_token_ids for r in refs]
     assert sched.kv.pool.num_free_blocks == sched.kv.num_blocks
-    # The step after each swap-out tells the worker to send its queued saves now; no other step does.
+    # The step planned with a swap-out tells the worker to send its queued saves now; no other step does.
     flushed = sum(s.kv_saves_flush for s in steps)
     assert 0 < flushed <= stats.num_preemptions
     first = next(i for i, s in enumerate(steps) if s.kv_saves_flush)
