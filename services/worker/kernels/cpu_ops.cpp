@@ -340,14 +340,15 @@ class WidenedOperands {
   static constexpr int64_t D = NV * W;
   static constexpr int R = kRowBlock<NV>;
 
-  explicit WidenedOperands(int64_t padded_rows)
-      : q_(padded_rows * D, 0.f), kt_(kKeyVecs * D * W), v_(kKeyVecs * W * D) {}
+  // Room for padded_rows query rows; scores come out multiplied by scale.
+  WidenedOperands(int64_t padded_rows, float scale)
+      : scale_(scale), q_(padded_rows * D, 0.f), kt_(kKeyVecs * D * W), v_(kKeyVecs * W * D) {}
 
   // Row r <- q_rows[r] * scale, for `rows` contiguous rows (a token's heads lie side by side).
-  void load_queries(int64_t first_row, const scalar_t* q_rows, int64_t rows, float scale) {
+  void load_queries(int64_t first_row, const scalar_t* q_rows, int64_t rows) {
     float* dst = q_.data() + first_row * D;
     to_float(q_rows, dst, rows * D);
-    at::vec::map([&](fVec x) { return x * fVec(scale); }, dst, dst, rows * D);
+    at::vec::map([&](fVec x) { return x * fVec(scale_); }, dst, dst, rows * D);
   }
 
   // Chunk c's W keys: rows k + w * row_stride (and v's), the first `valid` of them there, the rest zeros.
@@ -407,6 +408,7 @@ class WidenedOperands {
   }
 
  private:
+  float scale_;
   std::vector<float> q_, kt_, v_;
 };
 
@@ -427,12 +429,12 @@ class Bf16DotOperands {
   static constexpr int R = kRowBlock<NV>;
   static_assert(fVec::size() == W);
 
-  explicit Bf16DotOperands(int64_t padded_rows)
-      : q_(padded_rows * D2, 0), kt_(kKeyVecs * D2 * W), v_(kKeyVecs * W / 2 * D), p_(R * kKeyVecs * W / 2) {}
+  Bf16DotOperands(int64_t padded_rows, float scale)
+      : scale_(scale), q_(padded_rows * D2, 0), kt_(kKeyVecs * D2 * W), v_(kKeyVecs * W / 2 * D),
+        p_(R * kKeyVecs * W / 2) {}
 
-  void load_queries(int64_t first_row, const at::BFloat16* q_rows, int64_t rows, float scale) {
+  void load_queries(int64_t first_row, const at::BFloat16* q_rows, int64_t rows) {
     std::memcpy(q_.data() + first_row * D2, q_rows, rows * D * sizeof(at::BFloat16));
-    scale_ = scale;
   }
 
   // K: 32-bit words (d pairs) gathered across the W rows, one vector per pair. V: two keys' rows interleaved
@@ -510,8 +512,8 @@ class Bf16DotOperands {
   }
 
  private:
+  float scale_;
   std::vector<uint32_t> q_, kt_, v_, p_;
-  float scale_ = 1.f;
 };
 #endif
 
@@ -594,7 +596,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 
   at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
     const int64_t padded_rows = (kPrefillTile * group + R - 1) / R * R;
-    Operands operands(padded_rows);
+    Operands operands(padded_rows, static_cast<float>(scale));
     std::vector<float> acc(padded_rows * head_dim), p(R * kStepKeys), row_max(padded_rows), row_sum(padded_rows),
         correction(R);
     for (int64_t thread = begin; thread < end; ++thread) {
@@ -606,8 +608,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
         // Row r is query token first + r / group, head kv_head * group + r % group.
         for (int64_t t = 0; t < tokens; ++t) {
           const int64_t token = starts[b] + task.first + t;
-          operands.load_queries(t * group, q_ptr + (token * num_heads + task.kv_head * group) * head_dim, group,
-                                static_cast<float>(scale));
+          operands.load_queries(t * group, q_ptr + (token * num_heads + task.kv_head * group) * head_dim, group);
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(row_max.begin(), row_max.end(), kMinusInf);
