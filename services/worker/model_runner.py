@@ -245,7 +245,7 @@ class ModelRunner:
         # compute dtype) the plain weights are empty: counted here, or a packed model reads as nearly free.
         matmuls = self.model.matmul_modules()
         packed = sum(m.packed.numel() * m.packed.element_size() for m in matmuls if m.packed is not None)
-        return plain + packed + sum(m.int8.weight.nbytes for m in matmuls if m.int8 is not None)
+        return plain + packed + sum(m.quantized.weight.nbytes for m in matmuls if m.quantized is not None)
 
     def _rank_memory(self) -> list[RankMemory]:
         weights = self._weights_bytes()

@@ -1,4 +1,5 @@
-"""Build the native CPU kernels (cpu_ops.cpp) once per machine, cache the library, load it as torch.ops.meshserve_cpu.
+"""Build the native CPU kernels (cpu_ops.cpp, quantized_linear.cpp) once per machine, cache the library, load it as
+torch.ops.meshserve_cpu.
 
 The library is compiled for the vector ISA torch itself runs with here (AVX512, with or without AVX512-BF16,
 AVX2, or portable code), so it is built where it runs: by `make install`, by the images' build step, or by the
@@ -22,7 +23,10 @@ from pathlib import Path
 import structlog
 import torch
 
-SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+KERNEL_DIR = Path(__file__).parent
+# The library's translation units, and the header they share (it keys the cache too).
+SOURCES = (KERNEL_DIR / "cpu_ops.cpp", KERNEL_DIR / "quantized_linear.cpp")
+HEADERS = (KERNEL_DIR / "cpu_common.h",)
 NAMESPACE = "meshserve_cpu"
 LIBRARY_NAME = "meshserve_cpu_ops"
 CACHE_DIR_ENV = "MESHSERVE_KERNEL_CACHE_DIR"
@@ -63,7 +67,8 @@ def isa() -> tuple[str, list[str]]:
 def library_path(cache_dir: Path | None = None) -> Path:
     """Where the library for this source, torch version and ISA lives in the cache."""
     name, flags = isa()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(_BASE_FLAGS + flags).encode()).hexdigest()[:12]
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(text + " ".join(_BASE_FLAGS + flags).encode()).hexdigest()[:12]
     key = f"torch{torch.__version__}-{platform.machine()}-{name}-{digest}"
     return (cache_dir or default_cache_dir()) / key / f"{LIBRARY_NAME}.so"
 
@@ -92,12 +97,12 @@ def _compile_into(target: Path) -> None:
 
     _, flags = isa()
     _put_ninja_on_path()
-    log.info("cpu_kernels_build", source=str(SOURCE), target=str(target), flags=" ".join(flags))
+    log.info("cpu_kernels_build", sources=[p.name for p in SOURCES], target=str(target), flags=" ".join(flags))
     with tempfile.TemporaryDirectory(dir=target.parent, prefix="build-") as scratch:
         try:
             cpp_extension.load(
                 name=LIBRARY_NAME,
-                sources=[str(SOURCE)],
+                sources=[str(path) for path in SOURCES],
                 extra_cflags=_BASE_FLAGS + flags,
                 extra_ldflags=["-fopenmp"],
                 build_directory=scratch,
@@ -105,7 +110,8 @@ def _compile_into(target: Path) -> None:
                 verbose=False,
             )
         except Exception as error:  # compiler missing, ninja missing, or a compile error
-            raise KernelBuildError(f"building {SOURCE.name} failed: {error}") from error
+            names = ", ".join(path.name for path in SOURCES)
+            raise KernelBuildError(f"building {names} failed: {error}") from error
         os.replace(Path(scratch) / f"{LIBRARY_NAME}.so", target)
 
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TPGroup
-from services.worker.layers.quantization import Int8LinearOp, Int8Matmul, quantize_int8
+from services.worker.layers.quantization import QuantizedLinearOp, QuantizedMatmul, quantize_int8
 
 
 @dataclass(frozen=True)
@@ -41,7 +41,7 @@ def _matmul(
     bias: torch.Tensor | None,
     compute_dtype: torch.dtype,
     packed: torch.Tensor | None,
-    int8: Int8Matmul | None = None,
+    quantized: QuantizedMatmul | None = None,
 ) -> torch.Tensor:
     """x W^T + b in the compute dtype, through the oneDNN-packed weight when pack_linears made one.
 
@@ -50,15 +50,15 @@ def _matmul(
     scope (oneDNN off) such a layer uses its plain half-precision weight instead: ATen's GEMV reads half
     the bytes, 1.5-2x faster for one row (docs/benchmarks.md).
 
-    A quantised layer (int8 set) runs steps of up to int8.max_rows rows on its int8 weight; larger ones
-    take the packed weight, else the int8 one dequantised at load (int8.dense).
+    A quantised layer (quantized set) runs steps of up to quantized.max_rows rows on its quantised weight;
+    larger ones take the packed weight, else the quantised one dequantised at load (quantized.dense).
     """
-    if int8 is not None:
-        if int8.applies(x.shape[0]):
-            out = int8.op(_cast(x, compute_dtype), int8.weight)
+    if quantized is not None:
+        if quantized.applies(x.shape[0]):
+            out = quantized.op(_cast(x, compute_dtype), quantized.weight)
             return out if bias is None else out + _cast(bias, compute_dtype)
-        if packed is None and int8.dense is not None:
-            weight = int8.dense
+        if packed is None and quantized.dense is not None:
+            weight = quantized.dense
     if packed is not None and (packed.dtype == compute_dtype or torch._C._get_mkldnn_enabled()):
         bias = None if bias is None else _cast(_cast(bias, compute_dtype), packed.dtype)
         out = torch.ops.mkldnn._linear_pointwise(_cast(x, packed.dtype), packed, bias, "none", [], "")
@@ -85,11 +85,11 @@ class ColumnParallelLinear(nn.Module):
         self.compute_dtype = compute_dtype
         # The weight in oneDNN's blocked layout, once pack_linears has run (CPU only).
         self.packed: torch.Tensor | None = None
-        # The weight as int8 rows and scales, once quantize_matmuls has run (--quantization int8).
-        self.int8: Int8Matmul | None = None
+        # The weight quantised (int8 rows and scales), once quantize_matmuls has run (--quantization).
+        self.quantized: QuantizedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed, self.int8)
+        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed, self.quantized)
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's rows of checkpoint part `part` (a whole q_proj, gate_proj, ...)."""
@@ -117,10 +117,10 @@ class RowParallelLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(output_size), requires_grad=False) if bias else None
         self.compute_dtype = compute_dtype
         self.packed: torch.Tensor | None = None
-        self.int8: Int8Matmul | None = None
+        self.quantized: QuantizedMatmul | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed, self.int8))
+        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed, self.quantized))
         # After the reduce, so the bias is added once rather than once per rank.
         return y if self.bias is None else y + _cast(self.bias, self.compute_dtype)
 
@@ -150,9 +150,9 @@ class VocabParallelEmbedding(nn.Module):
         self.start = tp.rank * self.per_rank
         self.end = min(self.start + self.per_rank, vocab_size)
         self.weight = nn.Parameter(torch.empty(self.per_rank, hidden_size), requires_grad=False)
-        # The LM-head matmul's copies of the weight (oneDNN's layout, int8); the lookup keeps the plain one.
+        # The LM-head matmul's copies of the weight (oneDNN's layout, quantised); the lookup keeps the plain one.
         self.packed: torch.Tensor | None = None
-        self.int8: Int8Matmul | None = None
+        self.quantized: QuantizedMatmul | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -164,8 +164,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         """Float32 logits [N, vocab]: each rank's vocab slice, gathered in rank order."""
-        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed, self.int8).float()
-        return self.tp.all_gather_last_dim(local)[:, : self.vocab_size]
+        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed, self.quantized)
+        return self.tp.all_gather_last_dim(local.float())[:, : self.vocab_size]
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's vocabulary rows; padding rows past the vocabulary stay zero."""
@@ -189,8 +189,8 @@ def pack_linears(
     only the matmul read; one packed in fp32 keeps it for one-row matmuls, and an embedding for the lookup.
     """
     for module in modules:
-        # A quantised layer packs its int8 weight dequantised: every step size computes the same model.
-        source = module.weight if module.int8 is None else module.int8.weight.dequantize(compute_dtype)
+        # A quantised layer packs its quantised weight dequantised: every step size computes the same model.
+        source = module.weight if module.quantized is None else module.quantized.weight.dequantize(compute_dtype)
         module.packed = torch.ops.mkldnn._reorder_linear_weight(
             _cast(_cast(source, compute_dtype), pack_dtype), batch_hint
         )
@@ -198,24 +198,24 @@ def pack_linears(
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def quantize_matmuls(modules: Iterable[MatmulModule], op: Int8LinearOp, max_rows: int) -> None:
+def quantize_matmuls(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max_rows: int) -> None:
     """Give each linear (and the LM head) an int8 copy of its weight, run by op for steps of up to
     max_rows rows. Run before pack_linears, which may drop the plain weight it packs."""
     if max_rows < 1:
         raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
     for module in modules:
-        module.int8 = Int8Matmul(quantize_int8(module.weight), op, max_rows)
+        module.quantized = QuantizedMatmul(quantize_int8(module.weight), op, max_rows)
 
 
 def release_quantized_weights(modules: Iterable[MatmulModule], compute_dtype: torch.dtype) -> None:
-    """After pack_linears: a quantised module without a packed copy gets its int8 weight dequantised
+    """After pack_linears: a quantised module without a packed copy gets its quantised weight dequantised
     once into compute_dtype for the steps past max_rows (the LM head too, whose plain weight is the
     unquantised one); then quantised linears drop their plain weight, which nothing reads any more.
     The embedding keeps its own for the token lookup."""
     for module in modules:
-        if module.int8 is None:
+        if module.quantized is None:
             continue
         if module.packed is None:
-            module.int8 = replace(module.int8, dense=module.int8.weight.dequantize(compute_dtype))
+            module.quantized = replace(module.quantized, dense=module.quantized.weight.dequantize(compute_dtype))
         if not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)

@@ -23,8 +23,6 @@ import torch.nn.functional as F
 # Symmetric: the largest magnitude of a group maps to 127 (-128 is never used, so negation is exact).
 INT8_LEVELS = 127
 
-Int8LinearOp = Callable[[torch.Tensor, "Int8Weight"], torch.Tensor]
-
 
 @dataclass(frozen=True)
 class Int8Weight:
@@ -59,19 +57,25 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     return Int8Weight(qweight.view(out_features, in_features).contiguous(), scales.contiguous())
 
 
-def int8_linear_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+# The weight formats a quantised linear may hold; each has nbytes and dequantize(dtype).
+QuantizedWeight = Int8Weight
+# A platform's kernel for a quantised weight: x [rows, in] -> [rows, out] in x's dtype.
+QuantizedLinearOp = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
+
+
+def int8_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x W^T with W dequantised: float32 products and sums, rounded once to x's dtype (the oracle)."""
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
 
 
 @dataclass(frozen=True)
-class Int8Matmul:
-    """What a quantised linear needs at run time: its int8 weight, the platform's kernel for it, the row
+class QuantizedMatmul:
+    """What a quantised linear needs at run time: its quantised weight, the platform's kernel for it, the row
     count up to which that kernel beats the platform's GEMM, and, where no packed copy takes the larger
     steps, the weight dequantised once (at load, never per step)."""
 
-    weight: Int8Weight
-    op: Int8LinearOp
+    weight: QuantizedWeight
+    op: QuantizedLinearOp
     max_rows: int
     dense: torch.Tensor | None = None
 

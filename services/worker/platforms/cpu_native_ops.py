@@ -1,4 +1,4 @@
-"""CPU op table backed by the native kernels (services/worker/kernels/cpu_ops.cpp)."""
+"""CPU op table backed by the native kernels (services/worker/kernels/)."""
 
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class NativeCpuOps(ReferenceOps):
         return torch.ops.meshserve_cpu.silu_and_mul(gate_up)
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
-        """Each int8 weight vector widened once in registers and used for every row (kernels/cpu_ops.cpp)."""
+        """Each int8 weight vector widened once in registers and used for every row (kernels/quantized_linear.cpp)."""
         return torch.ops.meshserve_cpu.int8_linear(x, weight.qweight, weight.scales)
 
     def reshape_and_cache(

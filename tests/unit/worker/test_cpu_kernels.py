@@ -289,7 +289,7 @@ def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: Na
         cpu_ops("fast")
 
     def broken() -> None:
-        raise loader.KernelBuildError("building cpu_ops.cpp failed: no compiler")
+        raise loader.KernelBuildError("building cpu_ops.cpp, quantized_linear.cpp failed: no compiler")
 
     monkeypatch.setattr(loader, "load", broken)
     with structlog.testing.capture_logs() as logs:
@@ -301,7 +301,7 @@ def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: Na
 
 def test_a_build_without_a_compiler_fails_with_the_reason(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
-    with pytest.raises(loader.KernelBuildError, match=r"building cpu_ops\.cpp failed"):
+    with pytest.raises(loader.KernelBuildError, match=r"building cpu_ops\.cpp, quantized_linear\.cpp failed"):
         loader.build(tmp_path)
     # Nothing half-built is left where a later load would find it.
     assert not loader.library_path(tmp_path).exists()
@@ -311,9 +311,17 @@ def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.Monke
     path = loader.library_path(tmp_path)
     assert path.parent.parent == tmp_path
     assert torch.__version__ in path.parent.name and loader.isa()[0] in path.parent.name
-    changed = tmp_path / "cpu_ops.cpp"
-    changed.write_text(loader.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(loader, "SOURCE", changed)
+    for index, source in enumerate(loader.SOURCES):
+        changed = tmp_path / source.name
+        changed.write_text(source.read_text() + "\n// changed\n")
+        sources = list(loader.SOURCES)
+        sources[index] = changed
+        monkeypatch.setattr(loader, "SOURCES", tuple(sources))
+        assert loader.library_path(tmp_path) != path
+        monkeypatch.undo()
+    changed = tmp_path / "cpu_common.h"
+    changed.write_text(loader.HEADERS[0].read_text() + "\n// changed\n")
+    monkeypatch.setattr(loader, "HEADERS", (changed,))
     assert loader.library_path(tmp_path) != path
 
 

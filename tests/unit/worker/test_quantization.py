@@ -61,10 +61,10 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
     release_quantized_weights([layer], torch.bfloat16)
     assert layer.weight.numel() == 0  # only the int8 and the packed copies remain
     small, large = torch.randn(4, 32, generator=g).bfloat16(), torch.randn(9, 32, generator=g).bfloat16()
-    torch.testing.assert_close(layer(small), int8_linear_reference(small, layer.int8.weight))  # type: ignore[union-attr]
+    torch.testing.assert_close(layer(small), int8_linear_reference(small, layer.quantized.weight))  # type: ignore[union-attr]
     assert calls == [4]
     # Past max_rows: the packed GEMM, on the int8 weight dequantised (the same model at every step size).
-    expected = large.float() @ layer.int8.weight.dequantize(torch.bfloat16).float().T  # type: ignore[union-attr]
+    expected = large.float() @ layer.quantized.weight.dequantize(torch.bfloat16).float().T  # type: ignore[union-attr]
     torch.testing.assert_close(layer(large).float(), expected, rtol=2**-7, atol=1e-3)
     assert calls == [4]
 
@@ -75,7 +75,7 @@ def test_without_a_packed_copy_large_steps_dequantise() -> None:
     quantize_matmuls([layer], int8_linear_reference, max_rows=1)
     release_quantized_weights([layer], torch.bfloat16)
     x = torch.randn(5, 8).bfloat16()
-    expected = torch.nn.functional.linear(x, layer.int8.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
+    expected = torch.nn.functional.linear(x, layer.quantized.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
     torch.testing.assert_close(layer(x), expected)
 
 
