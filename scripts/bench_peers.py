@@ -47,6 +47,7 @@ from typing import Any
 from services.client.bench.provenance import cpu_model, git_commit
 from services.common.model_paths import embedded_model_dir
 from services.common.ports import free_port
+from services.worker.model_fetch import ensure_embedded_gguf
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "docs" / "benchmarks" / "peers.json"
@@ -67,6 +68,9 @@ MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "meshserve-no-kvstore": ("--kv-store", "off"),
     "meshserve-spec": ("--speculative-config", SPECULATIVE_CONFIG),
     "meshserve-int8-spec": ("--quantization", "int8", "--speculative-config", SPECULATIVE_CONFIG),
+    # The embedded model's own GGUF file (Q4_1 linears, a Q8_0 LM head), its blocks multiplied as they are.
+    "meshserve-gguf": ("--quantization", "gguf"),
+    "meshserve-gguf-spec": ("--quantization", "gguf", "--speculative-config", SPECULATIVE_CONFIG),
 }
 
 
@@ -166,8 +170,10 @@ def meshserve(
     model: Path, args: argparse.Namespace, logs: Path, extra: Sequence[str] = (), name: str = "meshserve"
 ) -> Iterator[Server]:
     http = free_port()
+    # --quantization gguf serves the GGUF file; the gateway tokenizes with the converted directory.
+    served = [str(ensure_embedded_gguf()), "--tokenizer", str(model)] if "gguf" in extra else [str(model)]
     cmd = [
-        sys.executable, "-m", "services.cli", "up", str(model), "--dtype", args.dtype,
+        sys.executable, "-m", "services.cli", "up", *served, "--dtype", args.dtype,
         "--kv-cache-memory", "4GiB", "--max-model-len", str(args.max_model_len),
         "--served-model-name", SERVED_NAME, "--port", str(free_port()), "--scheduler-port", str(free_port()),
         "--worker-port", str(free_port()), "--kv-store-port", str(free_port()), "--http-port", str(http),
@@ -293,7 +299,8 @@ def main() -> None:
         nargs="+",
         default=["meshserve", "meshserve-int8", "vllm", "llama-server"],
         choices=[*MESHSERVE_VARIANTS, "vllm", "llama-server"],
-        help="meshserve-int8 is meshserve with --quantization int8, meshserve-no-kvstore with --kv-store off "
+        help="meshserve-int8 is meshserve with --quantization int8, -gguf with --quantization gguf (the GGUF's own "
+        "Q4_1 blocks), meshserve-no-kvstore with --kv-store off "
         "(what writing every full block to the kvstore costs), -spec with prompt-lookup speculative decoding "
         f"(--speculative-config {SPECULATIVE_CONFIG})",
     )

@@ -179,11 +179,13 @@ def start_suite_processes(
     kv_store_args: Sequence[str] = (),
     certs: DevCerts | None = None,
     metrics_port: int | None = None,
+    worker_model: str | None = None,
 ) -> SuiteProcesses:
     """Start a kvstore (with kv_store_port), scheduler, one worker per port (ids worker-0, worker-1, ...) and
     gateway; no waiting. With a kvstore, the scheduler and every worker get --kv-store. With certs, each
     service gets its own certificate and the CA (mTLS on every internal hop). With metrics_port, each
-    service exports Prometheus metrics on its own port (metrics_ports says which)."""
+    service exports Prometheus metrics on its own port (metrics_ports says which). worker_model, when given,
+    is the workers' --model (a GGUF file of the gateway's model, say) and model the gateway's only."""
     sched_addr = f"{host}:{scheduler_port}"
     base = ["--host", host, *common_args]
     ports = metrics_ports(metrics_port, len(worker_ports)) if metrics_port is not None else {}
@@ -220,7 +222,7 @@ def start_suite_processes(
                 "--scheduler-address",
                 sched_addr,
                 "--model",
-                model,
+                worker_model or model,
                 "--worker-id",
                 f"worker-{i}",
                 *store_flags,

@@ -47,6 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory or .gguf, as `vllm serve MODEL` (default: embedded SmolLM2)",
     )
     parser.add_argument("--model", default=None, help="the same as MODEL")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="Hugging Face directory the gateway takes its tokenizer, chat template and sampling defaults from, "
+        "as vLLM's flag (default: MODEL; a .gguf MODEL needs one, the embedded model's is its converted directory)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="address every service listens on")
     parser.add_argument("--port", type=_dialled_port, default=GATEWAY_PORT, help="gateway (public) port")
     parser.add_argument(
@@ -71,7 +77,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "-q",
         default=None,
         choices=QUANTIZATIONS,
-        help="weight-only quantisation of every worker's linears (int8: half of bf16's bytes per decode step)",
+        help="weight-only quantisation of every worker's linears (int8: half of bf16's bytes per decode step; "
+        "gguf: a .gguf model's own 4- and 8-bit blocks, the embedded model's Q4_1 file without MODEL)",
     )
     parser.add_argument(
         "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per stage"
@@ -307,10 +314,30 @@ def _model_dir(model: str | None) -> str:
     return str(ensure_embedded_model())
 
 
+def suite_models(ns: argparse.Namespace) -> tuple[str, str]:
+    """(the gateway's model directory, the workers' --model). Without MODEL both are the embedded model's
+    directory, except that --quantization gguf gives the workers its GGUF file (the Q4_1 blocks it ships);
+    a .gguf MODEL needs --tokenizer, since the gateway reads tokenizer.json from a directory."""
+    given = model_argument(ns)
+    if given is None:
+        gateway = ns.tokenizer or _model_dir(None)
+        if ns.quantization != "gguf":
+            return gateway, _model_dir(None)
+        from services.worker.model_fetch import ensure_embedded_gguf
+
+        return gateway, str(ensure_embedded_gguf())
+    if ns.tokenizer is None and given.endswith(".gguf"):
+        raise ValueError(
+            f"MODEL {given} is a .gguf file: give --tokenizer DIR, the Hugging Face directory with its tokenizer.json "
+            "(the gateway tokenizes; the workers serve the file)"
+        )
+    return ns.tokenizer or given, given
+
+
 async def run(ns: argparse.Namespace) -> int:
     """Start scheduler, workers and gateway; wait for health; stop them all on Ctrl-C."""
     try:
-        model = _model_dir(model_argument(ns))
+        model, worker_model = suite_models(ns)
     except ValueError as err:
         say(f"meshserve: {err}", sys.stderr)
         return 2
@@ -339,6 +366,7 @@ async def run(ns: argparse.Namespace) -> int:
             common_args=common_args(ns),
             certs=certs,
             metrics_port=ns.metrics_port or None,
+            worker_model=worker_model,
         )
         gateway = suite.gateway
         tls_hint = "" if certs is None else f" --tls-ca {certs.ca}"
@@ -348,7 +376,7 @@ async def run(ns: argparse.Namespace) -> int:
             say("meshserve: interrupted before every service was serving", sys.stderr)
             return INTERRUPTED
         say(
-            f"meshserve: serving {Path(model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
+            f"meshserve: serving {Path(worker_model).name} on {gateway.address} (gRPC, meshserve.v1.Generation)\n"
             f'  try:  meshserve generate --address {gateway.address}{tls_hint} "What is the capital of France?"\n'
             f"        meshserve chat --address {gateway.address}{tls_hint}\n"
             f"{_http_banner(ns)}"

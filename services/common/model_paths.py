@@ -20,6 +20,12 @@ def embedded_model_dir(cache_dir: Path | None = None) -> Path:
     return (cache_dir or model_cache_dir()) / EMBEDDED_MODEL_NAME
 
 
+def embedded_gguf_path(cache_dir: Path | None = None) -> Path | None:
+    """The embedded model's own GGUF file in the cache (its Q4_1 blocks, for --quantization gguf), if fetched."""
+    found = sorted((cache_dir or model_cache_dir()).glob(f"{EMBEDDED_MODEL_NAME}*.gguf"))
+    return found[0] if found else None
+
+
 def resolve_model_path(model: str | None) -> Path:
     """The --model given, or the embedded model's directory; error if it is missing."""
     path = Path(model).expanduser() if model else embedded_model_dir()

@@ -13,8 +13,9 @@ from services.worker.settings import DEFAULT_KV_SAVE_QUEUE_BLOCKS
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # --cpu-kernels values: native kernels where they build (auto), native or fail, or the pure-torch reference.
 CPU_KERNELS = ("auto", "native", "reference")
-# --quantization values: weight-only int8 (layers/quantization.py); unset keeps the weights' dtype.
-QUANTIZATIONS = ("int8",)
+# --quantization values (layers/quantization.py): int8 rounds the linears' weights to int8 rows; gguf serves a
+# .gguf file's own Q4_0/Q4_1/Q8_0 blocks (gguf_weights.py); unset keeps the weights' dtype.
+QUANTIZATIONS = ("int8", "gguf")
 DEFAULT_BLOCK_SIZE = 16
 
 
@@ -88,6 +89,11 @@ class EngineConfig:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(
                 f"--quantization must be one of {list(QUANTIZATIONS)} (or unset), got {self.quantization!r}"
+            )
+        if self.quantization == "gguf" and not self.model_path.endswith(".gguf"):
+            raise ValueError(
+                f"--quantization gguf serves a .gguf file's quantised blocks, but --model {self.model_path} is not a "
+                ".gguf file; pass one, or use --quantization int8 for a Hugging Face directory"
             )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

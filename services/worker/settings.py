@@ -77,10 +77,11 @@ class WorkerSettings(ServiceSettings):
         description="CPU ops: native C++ kernels built on first use (auto falls back to reference if they "
         "cannot be built; native fails instead), or reference (pure torch)",
     )
-    quantization: Literal["int8"] | None = Field(
+    quantization: Literal["int8", "gguf"] | None = Field(
         None,
         description="weight-only quantisation: int8 rounds each linear's and the LM head's weight rows to int8 "
-        "(half of bf16's bytes for the bandwidth-bound decode; CPU with native kernels)",
+        "(half of bf16's bytes for the bandwidth-bound decode); gguf serves a .gguf --model's own Q4_0, Q4_1 "
+        "and Q8_0 blocks (a quarter to a half); CPU with native kernels",
     )
     cpu_binding: Literal["auto", "off"] = Field(
         "auto", description="pin each rank to its device's NUMA-local CPUs (npu-smi topo, else sysfs)"

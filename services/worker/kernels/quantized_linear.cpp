@@ -1,6 +1,7 @@
 // Native weight-only quantised linears for the worker's CPU: int8 rows with float32 scales per group of
-// input columns (--quantization int8, and GGUF's Q8_0). Registered into torch.ops.meshserve_cpu beside
-// cpu_ops.cpp's kernels; built and loaded by kernels/loader.py.
+// input columns (--quantization int8, and GGUF's Q8_0), and 4-bit codes with a scale and an offset per
+// block of 32 columns (GGUF's Q4_0 and Q4_1, --quantization gguf). Registered into torch.ops.meshserve_cpu
+// beside cpu_ops.cpp's kernels; built and loaded by kernels/loader.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,10 +11,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <utility>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #endif
+
+#include <vector>
 
 #include "cpu_common.h"
 
@@ -28,6 +33,22 @@ using namespace meshserve_kernels;
 // quantisation: decode is bound by the bytes of weights it reads). Blocks of 4 measured best on AVX2;
 // wider blocks ran up to twice as long per row (docs/benchmarks.md).
 constexpr int64_t kInt8Rows = 4;
+
+// Weight rows ahead of the one being multiplied whose cache lines are asked for early: a decode step streams
+// every weight from memory once, and with the arithmetic between the loads the hardware prefetcher fell
+// behind (a SmolLM2 step's int4 matmuls 10.0 -> 8.2 ms; docs/benchmarks.md).
+constexpr int64_t kPrefetchRows = 4;
+
+// Asks for the `bytes` bytes at p, a cache line at a time.
+inline void prefetch(const void* p, int64_t bytes) {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, _MM_HINT_T0);
+#else
+  (void)p;
+  (void)bytes;
+#endif
+}
 
 // fVec::size() int8 weights widened to float in registers on x86 (sign-extend, convert); a scalar
 // widening elsewhere (the portable build, e.g. on a Kunpeng host), which the compiler vectorises.
@@ -97,10 +118,58 @@ inline void dot_rows(const float* x, int64_t k_size, const int8_t* w, const floa
   }
 }
 
+// Groups of up to this many weights (GGUF's Q8_0 has 32) take dot_rows_scaled: with a scale every vector
+// or two, dot_rows' per-group sums would chain every FMA of a group into one.
+constexpr int64_t kSmallGroup = 64;
+
+// dot_rows for small groups of whole vectors: each weight vector is widened and multiplied by its group's
+// scale once (q * scale is exact in float32: 8 by 11 significant bits), then FMA'd into every row's sums,
+// which run through the whole row in kUnroll independent chains.
+template <int64_t ROWS>
+inline void dot_rows_scaled(const float* x, int64_t k_size, const int8_t* w, const float* scales,
+                            int64_t group_size, float* acc) {
+  constexpr int64_t kUnroll = ROWS == 1 ? 4 : 2;
+  fVec sums[ROWS][kUnroll];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t u = 0; u < kUnroll; ++u) sums[r][u] = fVec(0.f);
+  // Vectors per group are a power of two (dot_block checks), so a vector's group is a shift away (a
+  // division per vector ran the kernel at half speed).
+  const int64_t vectors = k_size / fVec::size();
+  const int shift = __builtin_ctzll(static_cast<uint64_t>(group_size / fVec::size()));
+  auto vector = [&](int64_t v, int64_t u) {
+    const int64_t k = v * fVec::size();
+    const fVec wv = widen_int8(w + k) * fVec(scales[v >> shift]);
+    for (int64_t r = 0; r < ROWS; ++r) sums[r][u] = at::vec::fmadd(fVec::loadu(x + r * k_size + k), wv, sums[r][u]);
+  };
+  int64_t v = 0;
+  for (; v + kUnroll <= vectors; v += kUnroll)
+    for (int64_t u = 0; u < kUnroll; ++u) vector(v + u, u);
+  for (; v < vectors; ++v) vector(v, 0);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    fVec total_vec = sums[r][0];
+    for (int64_t u = 1; u < kUnroll; ++u) total_vec = total_vec + sums[r][u];
+    float lanes[fVec::size()];
+    total_vec.store(lanes);
+    float total = 0.f;
+    for (int64_t i = 0; i < fVec::size(); ++i) total += lanes[i];
+    acc[r] = total;
+  }
+}
+
 // dot_rows for a block of 1..kInt8Rows rows. Every block goes through here: inlined straight into the
 // parallel loop, dot_rows ran up to 1.7x slower (its sizes reloaded from the lambda's captures).
 inline void dot_block(int64_t rows, const float* x, int64_t k_size, const int8_t* w, const float* scales,
                       int64_t group_size, float* acc) {
+  const int64_t per_group = group_size / fVec::size();
+  if (group_size <= kSmallGroup && group_size % fVec::size() == 0 && (per_group & (per_group - 1)) == 0) {
+    switch (rows) {
+      case 1: return dot_rows_scaled<1>(x, k_size, w, scales, group_size, acc);
+      case 2: return dot_rows_scaled<2>(x, k_size, w, scales, group_size, acc);
+      case 3: return dot_rows_scaled<3>(x, k_size, w, scales, group_size, acc);
+      case 4: return dot_rows_scaled<4>(x, k_size, w, scales, group_size, acc);
+      default: TORCH_CHECK(false, "dot_block: ", rows, " rows");
+    }
+  }
   switch (rows) {
     case 1: return dot_rows<1>(x, k_size, w, scales, group_size, acc);
     case 2: return dot_rows<2>(x, k_size, w, scales, group_size, acc);
@@ -137,6 +206,10 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
       float acc[kInt8Rows];
       for (int64_t n = begin; n < end; ++n) {
+        if (n + kPrefetchRows < end) {
+          prefetch(qp + (n + kPrefetchRows) * k_size, k_size);
+          prefetch(sp + (n + kPrefetchRows) * groups, groups * 4);
+        }
         const int8_t* wr = qp + n * k_size;
         const float* row_scales = sp + n * groups;
         for (int64_t r = 0; r < rows; r += kInt8Rows) {
@@ -150,12 +223,300 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   return out;
 }
 
+// ------------------------------------------------------------------------------ 4-bit weight-only linear
+
+// GGUF's 4-bit block: 32 columns in 16 bytes, byte j holding column j in its low nibble and column j + 16
+// in its high one, with one scale and one offset (w = scale * q + offset, q in 0..15; Q4_0's offset is
+// -8 * scale).
+constexpr int64_t kInt4Block = 32;
+constexpr int64_t kInt4BlockBytes = kInt4Block / 2;
+
+// fVec::size() bytes of a block widened to two float vectors of codes: the low nibbles (columns
+// c .. c + size) and the high ones (columns 16 + c ..). A scalar widening on the portable build.
+inline void widen_nibbles(const uint8_t* bytes, fVec& low, fVec& high) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i wide = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  low = fVec(_mm512_cvtepi32_ps(_mm512_and_si512(wide, _mm512_set1_epi32(0x0F))));
+  high = fVec(_mm512_cvtepi32_ps(_mm512_srli_epi32(wide, 4)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  low = fVec(_mm256_cvtepi32_ps(_mm256_and_si256(wide, _mm256_set1_epi32(0x0F))));
+  high = fVec(_mm256_cvtepi32_ps(_mm256_srli_epi32(wide, 4)));
+#else
+  float lo[fVec::size()], hi[fVec::size()];
+  for (int64_t i = 0; i < fVec::size(); ++i) {
+    lo[i] = static_cast<float>(bytes[i] & 0x0F);
+    hi[i] = static_cast<float>(bytes[i] >> 4);
+  }
+  low = fVec::loadu(lo);
+  high = fVec::loadu(hi);
+#endif
+}
+
+// acc[r] = sum_k x[r][k] * w[k] for ROWS rows of x (row stride k_size) and one weight row of 4-bit blocks.
+// Each block's weights are dequantised once in registers, scale * q + offset in one FMA (the exact
+// dequantised value: scale * q is exact in float32, so a single rounding of the sum is the reference's
+// rounding), then multiplied into every row. An FMA waits on the previous one into the same sum, so with
+// few rows kUnroll blocks go at once into sums of their own: 8 chains in flight for one row, 4 for more.
+template <int64_t ROWS>
+inline void int4_dot_rows(const float* x, int64_t k_size, const uint8_t* w, const float* scales,
+                          const float* offsets, float* acc) {
+  constexpr int64_t kChunks = kInt4BlockBytes / fVec::size();  // 1 on AVX512, 2 on AVX2
+  static_assert(kChunks >= 1 && kInt4BlockBytes % fVec::size() == 0);
+  constexpr int64_t kUnroll = ROWS == 1 ? 4 : (ROWS == 2 ? 2 : 1);
+  fVec sums[ROWS][2 * kUnroll];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t u = 0; u < 2 * kUnroll; ++u) sums[r][u] = fVec(0.f);
+  // One block into the sums of slot u.
+  auto block = [&](int64_t b, int64_t u) {
+    const fVec scale(scales[b]), offset(offsets[b]);
+    const uint8_t* bytes = w + b * kInt4BlockBytes;
+    const float* xb = x + b * kInt4Block;
+    for (int64_t c = 0; c < kChunks; ++c) {
+      fVec low, high;
+      widen_nibbles(bytes + c * fVec::size(), low, high);
+      low = at::vec::fmadd(low, scale, offset);
+      high = at::vec::fmadd(high, scale, offset);
+      const int64_t lo_col = c * fVec::size(), hi_col = kInt4BlockBytes + c * fVec::size();
+      for (int64_t r = 0; r < ROWS; ++r) {
+        sums[r][2 * u] = at::vec::fmadd(fVec::loadu(xb + r * k_size + lo_col), low, sums[r][2 * u]);
+        sums[r][2 * u + 1] = at::vec::fmadd(fVec::loadu(xb + r * k_size + hi_col), high, sums[r][2 * u + 1]);
+      }
+    }
+  };
+  const int64_t blocks = k_size / kInt4Block;
+  int64_t b = 0;
+  for (; b + kUnroll <= blocks; b += kUnroll)
+    for (int64_t u = 0; u < kUnroll; ++u) block(b + u, u);
+  for (; b < blocks; ++b) block(b, 0);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    fVec total_vec = sums[r][0];
+    for (int64_t u = 1; u < 2 * kUnroll; ++u) total_vec = total_vec + sums[r][u];
+    float lanes[fVec::size()];
+    total_vec.store(lanes);
+    float total = 0.f;
+    for (int64_t i = 0; i < fVec::size(); ++i) total += lanes[i];
+    acc[r] = total;
+  }
+}
+
+// int4_dot_rows for a block of 1..kInt8Rows rows (out of line from the parallel loop, as dot_block).
+inline void int4_dot_block(int64_t rows, const float* x, int64_t k_size, const uint8_t* w, const float* scales,
+                           const float* offsets, float* acc) {
+  switch (rows) {
+    case 1: return int4_dot_rows<1>(x, k_size, w, scales, offsets, acc);
+    case 2: return int4_dot_rows<2>(x, k_size, w, scales, offsets, acc);
+    case 3: return int4_dot_rows<3>(x, k_size, w, scales, offsets, acc);
+    case 4: return int4_dot_rows<4>(x, k_size, w, scales, offsets, acc);
+    default: TORCH_CHECK(false, "int4_dot_block: ", rows, " rows");
+  }
+}
+
+
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 activations on an AVX512-BF16 CPU. A code q (0..15) ORed into the bf16 bits of 128.0 is the bf16
+// number 128 + q exactly, so a block's codes become bf16 in two integer ops, and vdpbf16ps multiplies 32
+// of them by x's bf16 pairs at once, exactly, into float32 sums: half the instructions of widening to
+// float (which left the float path compute-bound, not bandwidth-bound). The 128s come back out per block:
+//   sum_j x_j (scale q_j + offset) = scale sum_j x_j (128 + q_j) + (offset - 128 scale) sum_j x_j.
+// Two blocks' 32 bytes widen to 32 words: the low nibbles are [block A columns 0..15, block B 0..15], the
+// high ones [A 16..31, B 16..31], so x is laid out once per call in that order (arrange_bf16), and float
+// lanes 0..7 of a product belong to block A, 8..15 to block B.
+constexpr int64_t kInt4Pair = 2 * kInt4Block;
+
+// x [rows, k] (bf16) -> out [rows, pairs * 64] in the order above, and the float32 sum of each block's x.
+inline void arrange_bf16(const at::BFloat16* x, int64_t rows, int64_t k_size, at::BFloat16* out, float* sums) {
+  const int64_t pairs = k_size / kInt4Pair, blocks = k_size / kInt4Block;
+  for (int64_t r = 0; r < rows; ++r) {
+    const at::BFloat16* xr = x + r * k_size;
+    at::BFloat16* o = out + r * pairs * kInt4Pair;
+    for (int64_t p = 0; p < pairs; ++p) {
+      const at::BFloat16* c = xr + p * kInt4Pair;
+      for (int64_t half = 0; half < 2; ++half)  // low nibbles' partners, then high nibbles'
+        for (int64_t block = 0; block < 2; ++block)
+          std::memcpy(o + p * kInt4Pair + half * kInt4Block + block * 16, c + block * kInt4Block + half * 16,
+                      16 * sizeof(at::BFloat16));
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      float total = 0.f;
+      for (int64_t j = 0; j < kInt4Block; ++j) total += static_cast<float>(xr[b * kInt4Block + j]);
+      sums[r * blocks + b] = total;
+    }
+  }
+}
+
+inline __m512i load_words(const at::BFloat16* p) { return _mm512_loadu_si512(reinterpret_cast<const void*>(p)); }
+
+// acc[r] for ROWS rows: x_arranged rows of stride `pairs * 64`, x_raw the original rows (for an odd last
+// block, done in float), block_sums [rows, blocks].
+template <int64_t ROWS>
+inline void int4_dot_rows_bf16(const at::BFloat16* x_arranged, const at::BFloat16* x_raw, const float* block_sums,
+                               int64_t k_size, const uint8_t* w, const float* scales, const float* offsets,
+                               float* acc) {
+  const int64_t blocks = k_size / kInt4Block, pairs = blocks / 2, stride = pairs * kInt4Pair;
+  // Independent totals per row for few rows (the FMA into a row's total waits on the previous one).
+  constexpr int64_t kSplit = ROWS == 1 ? 4 : (ROWS == 2 ? 2 : 1);
+  __m512 totals[ROWS][kSplit];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t u = 0; u < kSplit; ++u) totals[r][u] = _mm512_setzero_ps();
+  const __m512i low_nibble = _mm512_set1_epi16(0x000F), bf16_128 = _mm512_set1_epi16(0x4300);
+  // Pair p into the totals of slot u (u a constant once unrolled: a vector array indexed at run time
+  // lives on the stack, which put a store and a load on every FMA's chain).
+  auto pair = [&](int64_t p, int64_t u) {
+    const __m512i words = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * 32)));
+    const __m512i low = _mm512_ternarylogic_epi32(words, low_nibble, bf16_128, 0xEA);  // (words & 0xF) | 128.0
+    const __m512i high = _mm512_or_si512(_mm512_srli_epi16(words, 4), bf16_128);
+    const __m512 scale = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(scales[2 * p]), _mm512_set1_ps(scales[2 * p + 1]));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const at::BFloat16* xp = x_arranged + r * stride + p * kInt4Pair;
+      __m512 s = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)low, (__m512bh)load_words(xp));
+      s = _mm512_dpbf16_ps(s, (__m512bh)high, (__m512bh)load_words(xp + kInt4Block));
+      totals[r][u] = _mm512_fmadd_ps(s, scale, totals[r][u]);
+    }
+  };
+  int64_t p = 0;
+  for (; p + kSplit <= pairs; p += kSplit)
+    for (int64_t u = 0; u < kSplit; ++u) pair(p + u, u);
+  for (; p < pairs; ++p) pair(p, 0);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    // The offsets, less the 128s the codes carried: 16 blocks a vector.
+    const float* sums = block_sums + r * blocks;
+    __m512 fix = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b < 2 * pairs; b += 16) {
+      const __mmask16 live = 2 * pairs - b >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (2 * pairs - b)) - 1);
+      const __m512 d = _mm512_maskz_loadu_ps(live, scales + b), m = _mm512_maskz_loadu_ps(live, offsets + b);
+      fix = _mm512_fmadd_ps(_mm512_fmadd_ps(d, _mm512_set1_ps(-128.f), m), _mm512_maskz_loadu_ps(live, sums + b), fix);
+    }
+    for (int64_t u = 0; u < kSplit; ++u) fix = _mm512_add_ps(fix, totals[r][u]);
+    float total = _mm512_reduce_add_ps(fix);
+    if (blocks % 2) {  // an odd last block, in float
+      const int64_t last = blocks - 1;
+      const uint8_t* bytes = w + last * kInt4BlockBytes;
+      const at::BFloat16* xb = x_raw + r * k_size + last * kInt4Block;
+      float tail = 0.f;
+      for (int64_t j = 0; j < kInt4BlockBytes; ++j) {
+        tail += static_cast<float>(xb[j]) * (scales[last] * (bytes[j] & 0x0F) + offsets[last]);
+        tail += static_cast<float>(xb[j + 16]) * (scales[last] * (bytes[j] >> 4) + offsets[last]);
+      }
+      total += tail;
+    }
+    acc[r] = total;
+  }
+}
+
+// Rows per pass of the bf16 path: a row costs three instructions a pair of blocks beside the five that
+// dequantise it, so up to 8 rows (a decode batch, or one sequence verifying prompt-lookup drafts) share
+// one pass over the weights.
+constexpr int64_t kInt4Bf16Rows = 8;
+
+template <int64_t... R>
+inline void int4_dot_block_bf16_for(std::integer_sequence<int64_t, R...>, int64_t rows, const at::BFloat16* x_arranged,
+                                    const at::BFloat16* x_raw, const float* block_sums, int64_t k_size,
+                                    const uint8_t* w, const float* scales, const float* offsets, float* acc) {
+  const bool ran = ((rows == R + 1 ? (int4_dot_rows_bf16<R + 1>(x_arranged, x_raw, block_sums, k_size, w, scales,
+                                                                 offsets, acc),
+                                      true)
+                                   : false) ||
+                    ...);
+  TORCH_CHECK(ran, "int4_dot_block_bf16: ", rows, " rows");
+}
+
+inline void int4_dot_block_bf16(int64_t rows, const at::BFloat16* x_arranged, const at::BFloat16* x_raw,
+                                const float* block_sums, int64_t k_size, const uint8_t* w, const float* scales,
+                                const float* offsets, float* acc) {
+  int4_dot_block_bf16_for(std::make_integer_sequence<int64_t, kInt4Bf16Rows>{}, rows, x_arranged, x_raw, block_sums,
+                          k_size, w, scales, offsets, acc);
+}
+
+// int4_linear's body for bf16 x on this CPU.
+void int4_linear_bf16(const at::Tensor& x, const uint8_t* qp, const float* sp, const float* op_, int64_t n_size,
+                      at::Tensor& out) {
+  const int64_t rows = x.size(0), k_size = x.size(1), blocks = k_size / kInt4Block;
+  const int64_t stride = blocks / 2 * kInt4Pair;
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  std::vector<at::BFloat16> arranged(static_cast<size_t>(std::max<int64_t>(rows * stride, 1)));
+  std::vector<float> block_sums(static_cast<size_t>(rows * blocks));
+  arrange_bf16(xp, rows, k_size, arranged.data(), block_sums.data());
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t row_bytes = k_size / 2;
+  at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+    float acc[kInt4Bf16Rows];
+    for (int64_t n = begin; n < end; ++n) {
+      if (n + kPrefetchRows < end) {
+        const int64_t ahead = n + kPrefetchRows;
+        prefetch(qp + ahead * row_bytes, row_bytes);
+        prefetch(sp + ahead * blocks, blocks * 4);
+        prefetch(op_ + ahead * blocks, blocks * 4);
+      }
+      for (int64_t r = 0; r < rows; r += kInt4Bf16Rows) {
+        const int64_t block = std::min(kInt4Bf16Rows, rows - r);
+        int4_dot_block_bf16(block, arranged.data() + r * stride, xp + r * k_size, block_sums.data() + r * blocks,
+                            k_size, qp + n * (k_size / 2), sp + n * blocks, op_ + n * blocks, acc);
+        for (int64_t i = 0; i < block; ++i) yp[(r + i) * n_size + n] = static_cast<at::BFloat16>(acc[i]);
+      }
+    }
+  });
+}
+#endif
+
+// y[M, N] = x[M, K] W^T with W[n, k] = scales[n, k / 32] * q[n, k] + offsets[n, k / 32], q the 4-bit codes
+// of packed [N, K / 2] in GGUF's block order: float32 accumulation, each output rounded once to x's dtype.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales,
+                       const at::Tensor& offsets) {
+  check_cpu(x, "x");
+  check_cpu(packed, "packed");
+  check_cpu(scales, "scales");
+  check_cpu(offsets, "offsets");
+  TORCH_CHECK(x.dim() == 2, "int4_linear: x must be 2-D [rows, in_features]");
+  TORCH_CHECK(packed.dim() == 2 && packed.scalar_type() == at::kByte, "int4_linear: packed must be uint8 [out, in / 2]");
+  const int64_t rows = x.size(0), k_size = x.size(1), n_size = packed.size(0);
+  TORCH_CHECK(k_size % kInt4Block == 0, "int4_linear: in_features ", k_size, " is not a multiple of ", kInt4Block);
+  TORCH_CHECK(packed.size(1) * 2 == k_size, "int4_linear: x has ", k_size, " features, packed ", packed.size(1) * 2);
+  for (const at::Tensor* t : {&scales, &offsets})
+    TORCH_CHECK(t->dim() == 2 && t->size(0) == n_size && t->size(1) == k_size / kInt4Block &&
+                    t->scalar_type() == at::kFloat,
+                "int4_linear: scales and offsets must be float32 [out, in / ", kInt4Block, "]");
+  const at::Tensor q = packed.contiguous(), sc = scales.contiguous(), of = offsets.contiguous();
+  at::Tensor out = at::empty({rows, n_size}, x.options());
+  const int64_t blocks = k_size / kInt4Block;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16) {
+    int4_linear_bf16(x, q.data_ptr<uint8_t>(), sc.data_ptr<float>(), of.data_ptr<float>(), n_size, out);
+    return out;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  dispatch_dtype(x.scalar_type(), "int4_linear", [&]<typename scalar_t>() {
+    const float* xp = xf.data_ptr<float>();
+    const uint8_t* qp = q.data_ptr<uint8_t>();
+    const float* sp = sc.data_ptr<float>();
+    const float* op_ = of.data_ptr<float>();
+    scalar_t* yp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+      float acc[kInt8Rows];
+      for (int64_t n = begin; n < end; ++n) {
+        const uint8_t* wr = qp + n * (k_size / 2);
+        for (int64_t r = 0; r < rows; r += kInt8Rows) {
+          const int64_t block = std::min(kInt8Rows, rows - r);
+          int4_dot_block(block, xp + r * k_size, k_size, wr, sp + n * blocks, op_ + n * blocks, acc);
+          for (int64_t i = 0; i < block; ++i) yp[(r + i) * n_size + n] = static_cast<scalar_t>(acc[i]);
+        }
+      }
+    });
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
+  m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
+  m.impl("int4_linear", &int4_linear);
 }

@@ -14,7 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TPGroup
-from services.worker.layers.quantization import QuantizedLinearOp, QuantizedMatmul, quantize_int8
+from services.worker.layers.quantization import (
+    QuantizedLinearOp,
+    QuantizedMatmul,
+    QuantizedWeight,
+    cat_weight_rows,
+    pad_weight_rows,
+    quantize_int8,
+    weight_columns,
+    weight_rows,
+)
 
 
 @dataclass(frozen=True)
@@ -87,9 +96,25 @@ class ColumnParallelLinear(nn.Module):
         self.packed: torch.Tensor | None = None
         # The weight quantised (int8 rows and scales), once quantize_matmuls has run (--quantization).
         self.quantized: QuantizedMatmul | None = None
+        # A checkpoint's own quantised parts by part index, until attach_quantized fuses them.
+        self.quantized_parts: dict[int, QuantizedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed, self.quantized)
+
+    def load_quantized(self, weight: QuantizedWeight, part: int) -> None:
+        """Keep this rank's rows of checkpoint part `part` in the checkpoint's quantised format."""
+        p = self.parts[part]
+        self.quantized_parts[part] = weight_rows(weight, p.start, p.size)
+
+    def checkpoint_quantized(self) -> QuantizedWeight | None:
+        """The fused quantised weight, when the checkpoint gave every part in one format (else None)."""
+        if len(self.quantized_parts) != len(self.parts):
+            return None
+        try:
+            return cat_weight_rows([self.quantized_parts[i] for i in range(len(self.parts))])
+        except ValueError:
+            return None
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's rows of checkpoint part `part` (a whole q_proj, gate_proj, ...)."""
@@ -118,6 +143,7 @@ class RowParallelLinear(nn.Module):
         self.compute_dtype = compute_dtype
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedMatmul | None = None
+        self.quantized_parts: dict[int, QuantizedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed, self.quantized))
@@ -138,6 +164,14 @@ class RowParallelLinear(nn.Module):
         with torch.no_grad():
             self.weight.copy_(piece)
 
+    def load_quantized(self, weight: QuantizedWeight, part: int) -> None:
+        """Keep this rank's input columns in the checkpoint's quantised format; ValueError when the shard does
+        not fall on the format's blocks."""
+        self.quantized_parts[part] = weight_columns(weight, self.input_shard.start, self.input_shard.size)
+
+    def checkpoint_quantized(self) -> QuantizedWeight | None:
+        return self.quantized_parts.get(0)
+
 
 class VocabParallelEmbedding(nn.Module):
     """Embedding whose vocabulary is split in equal (last one padded) ranges over ranks; doubles as the LM head."""
@@ -153,6 +187,7 @@ class VocabParallelEmbedding(nn.Module):
         # The LM-head matmul's copies of the weight (oneDNN's layout, quantised); the lookup keeps the plain one.
         self.packed: torch.Tensor | None = None
         self.quantized: QuantizedMatmul | None = None
+        self.quantized_parts: dict[int, QuantizedWeight] = {}
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -174,6 +209,14 @@ class VocabParallelEmbedding(nn.Module):
         with torch.no_grad():
             self.weight.zero_()
             self.weight[: piece.shape[0]].copy_(piece)
+
+    def load_quantized(self, weight: QuantizedWeight, part: int) -> None:
+        """Keep this rank's vocabulary rows quantised (for the LM head), padded as the plain weight is."""
+        rows = weight_rows(weight, self.start, max(0, self.end - self.start))
+        self.quantized_parts[part] = pad_weight_rows(rows, self.per_rank)
+
+    def checkpoint_quantized(self) -> QuantizedWeight | None:
+        return self.quantized_parts.get(0)
 
 
 MatmulModule = ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding
@@ -205,6 +248,29 @@ def quantize_matmuls(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max
         raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
     for module in modules:
         module.quantized = QuantizedMatmul(quantize_int8(module.weight), op, max_rows)
+
+
+def attach_quantized(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max_rows: int) -> int:
+    """Give each module whose checkpoint came quantised (load_quantized) its weight as a QuantizedMatmul, run
+    by op for steps of up to max_rows rows; returns how many got one. Each must dequantise to exactly the
+    plain weight loaded beside it (the same checkpoint, dequantised by its own library): a block layout read
+    wrongly fails here, at load, instead of computing another model. Run before pack_linears."""
+    if max_rows < 1:
+        raise ValueError(f"quantized max_rows must be >= 1, got {max_rows}")
+    attached = 0
+    for module in modules:
+        weight = module.checkpoint_quantized()
+        module.quantized_parts = {}
+        if weight is None:
+            continue
+        if not torch.equal(weight.dequantize(module.weight.dtype), module.weight):
+            raise ValueError(
+                f"a {type(module).__name__} of shape {tuple(module.weight.shape)}: the checkpoint's quantised blocks "
+                "do not dequantise to its weight (a block layout this worker reads wrongly)"
+            )
+        module.quantized = QuantizedMatmul(weight, op, max_rows)
+        attached += 1
+    return attached
 
 
 def release_quantized_weights(modules: Iterable[MatmulModule], compute_dtype: torch.dtype) -> None:

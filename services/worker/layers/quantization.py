@@ -15,7 +15,7 @@ same model and quantising never slows a prefill.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,10 @@ class Int8Weight:
 
     qweight: torch.Tensor
     scales: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.qweight.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -57,13 +61,136 @@ def quantize_int8(weight: torch.Tensor, group_size: int | None = None) -> Int8We
     return Int8Weight(qweight.view(out_features, in_features).contiguous(), scales.contiguous())
 
 
+# GGUF's 4-bit block (Q4_0, Q4_1): 32 columns, 16 bytes of codes.
+INT4_BLOCK = 32
+
+
+@dataclass(frozen=True)
+class Int4Weight:
+    """A weight [out, in] as 4-bit codes with a float32 scale and offset per block of 32 columns, GGUF's
+    Q4_1 (Q4_0 is offset = -8 * scale): weight = scale * q + offset, q in 0..15.
+
+    packed [out, in / 2] uint8 keeps GGUF's byte order, so a file's blocks are used as they are: in each
+    block's 16 bytes, byte j holds column j in its low nibble and column j + 16 in its high one."""
+
+    packed: torch.Tensor
+    scales: torch.Tensor
+    offsets: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.packed.shape[1] * 2
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.offsets))
+
+    def codes(self) -> torch.Tensor:
+        """The 4-bit codes [out, in] as uint8, in column order."""
+        out_features = self.packed.shape[0]
+        blocks = self.packed.view(out_features, -1, INT4_BLOCK // 2)
+        return torch.cat([blocks & 0x0F, blocks >> 4], dim=2).view(out_features, -1)
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight the codes stand for, in dtype: scale * q + offset in float32 (scale * q is exact, so
+        this is the value gguf's own dequantisation gives), one rounding to dtype."""
+        out_features = self.packed.shape[0]
+        codes = self.codes().float().view(out_features, -1, INT4_BLOCK)
+        weight = codes * self.scales[:, :, None] + self.offsets[:, :, None]
+        return weight.view(out_features, -1).to(dtype)
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Weight:
+    """Round weight [out, in] (in a multiple of 32) to GGUF's Q4_1: per block of 32 columns offset = min,
+    scale = (max - min) / 15, codes round((w - min) / scale); for tests and benchmarks (served 4-bit
+    weights come from a GGUF file as they are)."""
+    rows = weight.detach().float()
+    out_features, in_features = rows.shape
+    if in_features % INT4_BLOCK:
+        raise ValueError(f"4-bit weights need in_features a multiple of {INT4_BLOCK}, got {in_features}")
+    blocks = rows.view(out_features, -1, INT4_BLOCK)
+    low, high = blocks.amin(dim=2), blocks.amax(dim=2)
+    scales = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    codes = torch.round((blocks - low[:, :, None]) / scales[:, :, None]).clamp_(0, 15).to(torch.uint8)
+    half = INT4_BLOCK // 2
+    packed = codes[:, :, :half] | (codes[:, :, half:] << 4)
+    packed = packed.reshape(out_features, in_features // 2)
+    return Int4Weight(packed.contiguous(), scales.contiguous(), low.contiguous())
+
+
 # The weight formats a quantised linear may hold; each has nbytes and dequantize(dtype).
-QuantizedWeight = Int8Weight
+QuantizedWeight = Int8Weight | Int4Weight
 # A platform's kernel for a quantised weight: x [rows, in] -> [rows, out] in x's dtype.
 QuantizedLinearOp = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
 
 
-def int8_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+def weight_parts(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
+    """A quantised weight's tensors by field name (each has the weight's rows as its first dimension)."""
+    return {f.name: getattr(weight, f.name) for f in fields(weight)}
+
+
+def _rebuilt(weight: QuantizedWeight, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
+    """A weight of the same format from new tensors (parts by field name)."""
+    cls: type[Int8Weight] | type[Int4Weight] = type(weight)
+    return cls(**parts)
+
+
+def reorder_rows(weight: QuantizedWeight, order: torch.Tensor) -> QuantizedWeight:
+    """The weight's rows in the given order (row i of the result is row order[i])."""
+    return _rebuilt(weight, {name: t[order].contiguous() for name, t in weight_parts(weight).items()})
+
+
+def weight_rows(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+    """Output rows [start, start + size) of a quantised weight (a column-parallel shard, a fused part)."""
+    return _rebuilt(weight, {name: t.narrow(0, start, size) for name, t in weight_parts(weight).items()})
+
+
+def weight_columns(weight: QuantizedWeight, start: int, size: int) -> QuantizedWeight:
+    """Input columns [start, start + size) (a row-parallel shard); ValueError unless both ends fall on the
+    format's block (or scale group) boundaries."""
+    sliced = {}
+    for name, t in weight_parts(weight).items():
+        ratio = t.shape[1] / weight.in_features  # 1 for int8 codes, 1/2 for packed nibbles, 1/group for scales
+        begin, width = start * ratio, size * ratio
+        if not (begin.is_integer() and width.is_integer()):
+            per_unit = round(1 / ratio) if ratio < 1 else 1
+            raise ValueError(
+                f"columns {start}..{start + size} of a {type(weight).__name__} do not fall on its blocks of "
+                f"{per_unit} columns"
+            )
+        sliced[name] = t.narrow(1, int(begin), int(width))
+    return _rebuilt(weight, sliced)
+
+
+def cat_weight_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Fused parts stacked by rows (q, k, v; gate, up); ValueError if their formats or widths differ."""
+    first = parts[0]
+    for part in parts[1:]:
+        if type(part) is not type(first) or part.in_features != first.in_features:
+            raise ValueError(f"fused parts in different formats: {type(first).__name__}, {type(part).__name__}")
+        widths = zip(weight_parts(first).values(), weight_parts(part).values(), strict=True)
+        if any(a.shape[1] != b.shape[1] for a, b in widths):
+            raise ValueError(f"fused parts of {type(first).__name__} with different block sizes")
+    names = weight_parts(first)
+    return _rebuilt(first, {name: torch.cat([getattr(p, name) for p in parts]) for name in names})
+
+
+def pad_weight_rows(weight: QuantizedWeight, total: int) -> QuantizedWeight:
+    """total rows, the ones past the weight's zero (codes, scales and offsets 0: they dequantise to 0)."""
+    extra = total - weight_rows_count(weight)
+    if extra <= 0:
+        return weight
+    return _rebuilt(
+        weight,
+        {name: torch.cat([t, t.new_zeros(extra, *t.shape[1:])]) for name, t in weight_parts(weight).items()},
+    )
+
+
+def weight_rows_count(weight: QuantizedWeight) -> int:
+    return next(iter(weight_parts(weight).values())).shape[0]
+
+
+def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x W^T with W dequantised: float32 products and sums, rounded once to x's dtype (the oracle)."""
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
 

@@ -19,6 +19,7 @@ from services.worker.layers.linear import (
     VocabParallelEmbedding,
     balanced_shard,
 )
+from services.worker.layers.quantization import QuantizedWeight
 from services.worker.layers.rotary import RotaryTable, inv_freq_for_config
 from services.worker.pipeline_partition import StageLayers, whole_model
 from services.worker.platforms.base import Ops
@@ -372,8 +373,8 @@ class LlamaForCausalLM(nn.Module):
         if absent:
             raise ValueError(f"checkpoint is missing weights for: {', '.join(absent[:8])}")
 
-    def _load_one(self, modules: dict[str, nn.Module], hf_name: str, tensor: torch.Tensor) -> tuple[str, str, int]:
-        """Copy one tensor into its parameter (or part of a fused one); returns what it filled."""
+    def _target(self, modules: dict[str, nn.Module], hf_name: str) -> tuple[str, nn.Module, str, int]:
+        """(module name, module, parameter kind, fused part) that a checkpoint tensor loads into."""
         name, part = hf_name, 0
         for fragment, (fused, index) in self._STACKED.items():
             if fragment in hf_name:
@@ -383,6 +384,27 @@ class LlamaForCausalLM(nn.Module):
         module = modules.get(module_name)
         if module is None or not hasattr(module, kind):
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+        return module_name, module, kind, part
+
+    def load_quantized_weights(self, weights: Iterable[tuple[str, QuantizedWeight]]) -> None:
+        """Hand this rank's slice of HF-named quantised matmul weights (a GGUF file's own blocks) to the
+        linears and LM head, which keep them until layers.linear.attach_quantized; after load_weights."""
+        modules = dict(self.named_modules())
+        for checkpoint_name, weight in weights:
+            if checkpoint_name == "lm_head.weight" and self.arch.tie_word_embeddings:
+                continue
+            for hf_name in self._stage_targets(checkpoint_name):
+                _, module, _, part = self._target(modules, hf_name)
+                if not isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
+                    raise ValueError(f"checkpoint tensor {hf_name!r} is quantised but feeds no matmul")
+                try:
+                    module.load_quantized(weight, part)
+                except ValueError as err:
+                    raise ValueError(f"{hf_name}: {err}") from err
+
+    def _load_one(self, modules: dict[str, nn.Module], hf_name: str, tensor: torch.Tensor) -> tuple[str, str, int]:
+        """Copy one tensor into its parameter (or part of a fused one); returns what it filled."""
+        module_name, module, kind, part = self._target(modules, hf_name)
         try:
             loader = getattr(module, "load", None)
             if loader is not None:

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.layers.quantization import Int8Weight, int8_linear_reference
+from services.worker.layers.quantization import Int4Weight, Int8Weight, QuantizedWeight, quantized_linear_reference
 from services.worker.startup_error import StartupError
 
 
@@ -80,7 +80,17 @@ class Ops(abc.ABC):
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """x [rows, in] times the int8 weight [out, in] dequantised, transposed: [rows, out] in x's dtype."""
-        return int8_linear_reference(x, weight)
+        return quantized_linear_reference(x, weight)
+
+    def int4_linear(self, x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+        """x [rows, in] times the 4-bit weight [out, in] dequantised, transposed: [rows, out] in x's dtype."""
+        return quantized_linear_reference(x, weight)
+
+    def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+        """The kernel for the weight's format (a quantised layer's op: layers.quantization.QuantizedMatmul)."""
+        if isinstance(weight, Int4Weight):
+            return self.int4_linear(x, weight)
+        return self.int8_linear(x, weight)
 
 
 class Platform(abc.ABC):
@@ -138,10 +148,10 @@ class Platform(abc.ABC):
         """The dtype linear weights are reordered into once for oneDNN (layers.linear.pack_linears), or None."""
         return None
 
-    def int8_max_rows(self, compute_dtype: torch.dtype) -> int:
-        """Rows up to which --quantization int8 runs a linear on its int8 weight, against the GEMM that
-        compute_dtype's matmuls run on; 0: the platform has no int8 kernel worth running, so the flag is
-        refused at startup rather than quietly slower."""
+    def quantized_max_rows(self, compute_dtype: torch.dtype) -> int:
+        """Rows up to which --quantization runs a linear on its quantised weight, against the GEMM that
+        compute_dtype's matmuls run on; 0: the platform has no quantised kernels worth running, so the flag
+        is refused at startup rather than quietly slower."""
         return 0
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:

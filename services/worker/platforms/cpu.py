@@ -17,12 +17,13 @@ from services.worker.platforms.cpu_native_ops import NativeCpuOps
 from services.worker.platforms.reference_ops import ReferenceOps
 
 log = structlog.get_logger()
-# Rows up to which the native int8 kernel beats the GEMM it replaces (measured: docs/benchmarks.md): oneDNN
-# on fp32 copies of the weights (hosts without native bf16/fp16 GEMMs, and fp32 compute), or oneDNN in the
-# half-precision dtype itself where the CPU runs that natively (AMX, avx512_bf16), which matches the int8
-# kernel from two rows up.
-INT8_MAX_ROWS = 8
-INT8_MAX_ROWS_NATIVE_HALF = 1
+# Rows up to which the native quantised kernels (int8, and GGUF's 4-bit blocks) beat the GEMM they replace,
+# measured over whole decode steps (docs/benchmarks.md): oneDNN on fp32 copies of the weights (hosts without
+# native bf16/fp16 GEMMs, and fp32 compute), or oneDNN in the half-precision dtype itself where the CPU runs
+# that natively (AMX, avx512_bf16). On the AMX Xeon a SmolLM2 step of 4 rows took 24 ms on int8 or Q4_1
+# weights against 33 ms in bf16, and of 8 rows the bf16 GEMM won.
+QUANTIZED_MAX_ROWS = 8
+QUANTIZED_MAX_ROWS_NATIVE_HALF = 4
 
 
 def cpu_ops(kernels: str = "auto") -> Ops:
@@ -75,14 +76,14 @@ class CpuPlatform(Platform):
     def ops(self) -> Ops:
         return self._ops
 
-    def int8_max_rows(self, compute_dtype: torch.dtype) -> int:
-        # The native kernel reads each int8 weight once per step and beats the fp32/bf16 GEMMs while a
+    def quantized_max_rows(self, compute_dtype: torch.dtype) -> int:
+        # The native kernels read each quantised weight once per step and beat the fp32/bf16 GEMMs while a
         # step is bound by weight bytes; past the threshold oneDNN's packed GEMM wins (docs/benchmarks.md).
         # The reference ops would dequantise every call: no faster than bf16.
         if not isinstance(self._ops, NativeCpuOps):
             return 0
         native_half = compute_dtype != torch.float32 and self.matmul_pack_dtype(compute_dtype) == compute_dtype
-        return INT8_MAX_ROWS_NATIVE_HALF if native_half else INT8_MAX_ROWS
+        return QUANTIZED_MAX_ROWS_NATIVE_HALF if native_half else QUANTIZED_MAX_ROWS
 
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from services.worker.layers import attention
-from services.worker.layers.quantization import Int8Weight
+from services.worker.layers.quantization import Int4Weight, Int8Weight
 from services.worker.platforms.reference_ops import ReferenceOps
 
 
@@ -49,6 +49,10 @@ class NativeCpuOps(ReferenceOps):
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """Each int8 weight vector widened once in registers and used for every row (kernels/quantized_linear.cpp)."""
         return torch.ops.meshserve_cpu.int8_linear(x, weight.qweight, weight.scales)
+
+    def int4_linear(self, x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+        """Each block of 4-bit codes dequantised once in registers and used for every row (quantized_linear.cpp)."""
+        return torch.ops.meshserve_cpu.int4_linear(x, weight.packed, weight.scales, weight.offsets)
 
     def reshape_and_cache(
         self,

@@ -125,3 +125,19 @@ def test_speculative_config_is_checked_by_up_and_reaches_the_scheduler() -> None
     assert args[args.index("--speculative-config") + 1] == text
     with pytest.raises(SystemExit):
         _parse("--speculative-config", '{"num_speculative_tokens": 4, "typo": 1}')
+
+
+def test_the_gateway_and_the_workers_get_their_own_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker import model_fetch
+
+    monkeypatch.setattr(up, "_model_dir", lambda given: given or "/cache/SmolLM2-135M-Instruct")
+    monkeypatch.setattr(model_fetch, "ensure_embedded_gguf", lambda: "/cache/SmolLM2-135M-Instruct.Q4_1.gguf")
+    embedded = "/cache/SmolLM2-135M-Instruct"
+    assert up.suite_models(_parse()) == (embedded, embedded)
+    assert up.suite_models(_parse("-q", "int8")) == (embedded, embedded)
+    # The embedded model's own Q4_1 file for the workers; the gateway tokenizes with the directory.
+    assert up.suite_models(_parse("-q", "gguf")) == (embedded, "/cache/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert up.suite_models(_parse("/m/dir")) == ("/m/dir", "/m/dir")
+    assert up.suite_models(_parse("/m/x.gguf", "--tokenizer", "/m/dir", "-q", "gguf")) == ("/m/dir", "/m/x.gguf")
+    with pytest.raises(ValueError, match=r"is a \.gguf file: give --tokenizer DIR"):
+        up.suite_models(_parse("/m/x.gguf"))

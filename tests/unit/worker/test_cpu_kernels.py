@@ -22,7 +22,7 @@ from services.worker.layers.attention import (
     prefill_attention,
     reshape_and_cache,
 )
-from services.worker.layers.quantization import int8_linear_reference, quantize_int8
+from services.worker.layers.quantization import quantize_int4, quantize_int8, quantized_linear_reference
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
 from services.worker.platforms.cpu_native_ops import NativeCpuOps
@@ -235,7 +235,7 @@ def test_unsupported_head_shapes_take_the_reference_path(native: NativeCpuOps) -
 # Row counts around the kernel's block of 4 rows; one scale per row, or per 64 columns (widths of several
 # groups, of one, and ones 64 does not divide: one scale per row, with a vector tail).
 @pytest.mark.parametrize(("rows", "in_features"), [(1, 576), (3, 576), (4, 100), (9, 1536), (33, 64), (2, 136)])
-@pytest.mark.parametrize("group_size", [None, 64])
+@pytest.mark.parametrize("group_size", [None, 64, 32])
 def test_int8_linear_matches_the_dequantised_reference(
     native: NativeCpuOps, dtype: torch.dtype, rows: int, in_features: int, group_size: int | None
 ) -> None:
@@ -243,7 +243,35 @@ def test_int8_linear_matches_the_dequantised_reference(
     weight = quantize_int8(torch.randn(70, in_features, generator=g) * 0.05, group_size=group_size)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     # Both sum in float32 and round once; only the order of the sums differs.
-    _ulp_close(native.int8_linear(x, weight), int8_linear_reference(x, weight))
+    _ulp_close(native.int8_linear(x, weight), quantized_linear_reference(x, weight))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+# Rows around the float path's blocks of 4 and the bf16 path's of 8; widths of one block, one pair of blocks,
+# an odd block count (the bf16 path's float tail) and SmolLM2's two.
+@pytest.mark.parametrize(
+    ("rows", "in_features"), [(1, 32), (1, 64), (3, 96), (4, 576), (5, 1536), (8, 96), (9, 576), (17, 64)]
+)
+def test_int4_linear_matches_the_dequantised_reference(
+    native: NativeCpuOps, dtype: torch.dtype, rows: int, in_features: int
+) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = quantize_int4(torch.randn(70, in_features, generator=g) * 0.05)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    # Float32 sums rounded once either way (bf16 x on an AVX512-BF16 CPU: exact bf16 products of the codes
+    # offset by 128, the offsets added per block); only the order of the sums differs.
+    _ulp_close(native.int4_linear(x, weight), quantized_linear_reference(x, weight))
+
+
+def test_int4_linear_reads_codes_in_ggufs_nibble_order(native: NativeCpuOps) -> None:
+    # One block of one row: byte j holds column j (low nibble) and column j + 16 (high nibble).
+    packed = torch.tensor([[(15 - j) << 4 | j for j in range(16)]], dtype=torch.uint8)
+    scales, offsets = torch.ones(1, 1), torch.zeros(1, 1)
+    for dtype in DTYPES:
+        for column, code in ((0, 0), (5, 5), (16, 15), (31, 0)):
+            x = torch.zeros(1, 32, dtype=dtype)
+            x[0, column] = 1
+            assert float(torch.ops.meshserve_cpu.int4_linear(x, packed, scales, offsets)) == code
 
 
 def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
@@ -280,6 +308,18 @@ def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
         int8(torch.ones(2, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(3, 1, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="3 scale groups do not divide 4 in_features"):
         int8(torch.ones(2, 4), torch.ones(3, 4, dtype=torch.int8), torch.ones(3, 3))
+    int4 = torch.ops.meshserve_cpu.int4_linear
+    codes = torch.zeros(3, 16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="packed must be uint8"):
+        int4(torch.ones(2, 32), codes.to(torch.int8), torch.ones(3, 1), torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="in_features 48 is not a multiple of 32"):
+        int4(torch.ones(2, 48), torch.zeros(3, 24, dtype=torch.uint8), torch.ones(3, 1), torch.ones(3, 1))
+    with pytest.raises(RuntimeError, match="x has 64 features, packed 32"):
+        int4(torch.ones(2, 64), codes, torch.ones(3, 2), torch.ones(3, 2))
+    with pytest.raises(RuntimeError, match=r"scales and offsets must be float32 \[out, in / 32\]"):
+        int4(torch.ones(2, 32), codes, torch.ones(3, 1), torch.ones(3, 2))
+    with pytest.raises(RuntimeError, match=r"scales and offsets must be float32"):
+        int4(torch.ones(2, 32), codes, torch.ones(3, 1), torch.ones(3, 1, dtype=torch.float16))
 
 
 def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: NativeCpuOps) -> None:

