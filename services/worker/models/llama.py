@@ -390,6 +390,8 @@ class LlamaForCausalLM(nn.Module):
         """Hand this rank's slice of HF-named quantised matmul weights (a GGUF file's own blocks) to the
         linears and LM head, which keep them until layers.linear.attach_quantized; after load_weights."""
         modules = dict(self.named_modules())
+        # A stage's embedding that is not also its LM head only looks rows up: it keeps no quantised copy.
+        matmuls = {id(m) for m in self.matmul_modules()}
         for checkpoint_name, weight in weights:
             if checkpoint_name == "lm_head.weight" and self.arch.tie_word_embeddings:
                 continue
@@ -397,6 +399,8 @@ class LlamaForCausalLM(nn.Module):
                 _, module, _, part = self._target(modules, hf_name)
                 if not isinstance(module, ColumnParallelLinear | RowParallelLinear | VocabParallelEmbedding):
                     raise ValueError(f"checkpoint tensor {hf_name!r} is quantised but feeds no matmul")
+                if id(module) not in matmuls:
+                    continue
                 try:
                     module.load_quantized(weight, part)
                 except ValueError as err:
