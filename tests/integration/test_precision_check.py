@@ -45,3 +45,21 @@ def test_int8_weights_stay_within_their_budget(smollm2_dir: Path, capsys: pytest
     assert report.quantization == "int8"
     # Above bf16's own error (the rounding happened) and within the budget.
     assert 0.014 < report.mean_relative_logit_error <= MAX_INT8_MEAN_RELATIVE_LOGIT_ERROR
+
+
+def test_the_gguf_blocks_are_the_embedded_models_weights(smollm2_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The embedded directory is its GGUF dequantised: in fp32 the file's blocks give the same model (only the
+    order of float sums differs), and in bf16 no more error than bf16 itself (1.4%)."""
+    from services.worker.model_fetch import ensure_embedded_gguf
+
+    gguf = ensure_embedded_gguf()
+    prompts = chat_prompts(smollm2_dir, 4)
+    exact = compare(smollm2_dir, "fp32-fp32-fp32", prompts, 16, quantization="gguf", tested_model=gguf)
+    half = compare(smollm2_dir, "bf16-bf16-fp32", prompts, 16, quantization="gguf", tested_model=gguf)
+    with capsys.disabled():
+        print(
+            f"\ngguf blocks vs fp32: {exact.mean_relative_logit_error:.2e} in fp32, "
+            f"{half.mean_relative_logit_error:.4%} in bf16-bf16-fp32"
+        )
+    assert exact.mean_relative_logit_error < 1e-4 and exact.greedy_exact_matches == exact.prompts
+    assert half.mean_relative_logit_error <= MAX_MEAN_RELATIVE_LOGIT_ERROR * 3

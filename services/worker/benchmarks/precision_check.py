@@ -3,6 +3,11 @@ greedy agreement.
 
     python -m services.worker.benchmarks.precision_check --precision bf16-fp16-fp32
     python -m services.worker.benchmarks.precision_check --precision bf16-bf16-fp32 --quantization int8
+    python -m services.worker.benchmarks.precision_check --precision bf16-bf16-bf16 --quantization gguf
+
+--quantization gguf tests a GGUF file (--tested-model; default: the embedded model's own Q4_1 file) against
+fp32 of --model: for the embedded model that directory is the same file dequantised, so the figure is what
+multiplying the blocks in the tested precision costs, not what Q4_1 cost the original weights.
 
 For each prompt, fp32 decodes greedily; the tested precision then decodes the same prompt twice: once
 teacher-forced on fp32's tokens (so logits compare position by position) and once freely (so whole
@@ -92,14 +97,20 @@ def decode(
 
 
 def compare(
-    model_dir: Path, precision: str, prompts: list[list[int]], new_tokens: int, quantization: str | None = None
+    model_dir: Path,
+    precision: str,
+    prompts: list[list[int]],
+    new_tokens: int,
+    quantization: str | None = None,
+    tested_model: Path | None = None,
 ) -> PrecisionReport:
-    """Run fp32 and `precision` (quantised with `quantization`) on every prompt and compare."""
+    """Run fp32 of model_dir and `precision` (quantised with `quantization`, of tested_model when given) on
+    every prompt and compare."""
     max_len = max(len(p) for p in prompts) + new_tokens
     reference = _runner(model_dir, "fp32-fp32-fp32", max_len)
     expected = [decode(reference, p, new_tokens) for p in prompts]
     reference.close()
-    tested = _runner(model_dir, precision, max_len, quantization)
+    tested = _runner(tested_model or model_dir, precision, max_len, quantization)
     errors: list[torch.Tensor] = []
     matches, prefixes = 0, []
     for prompt, (ref_tokens, ref_logits) in zip(prompts, expected, strict=True):
@@ -135,17 +146,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--precision", default="bf16-fp16-fp32")
     parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS, help="weight-only quantisation")
     parser.add_argument("--model", type=Path, default=None, help="HF model directory (default: embedded SmolLM2)")
+    parser.add_argument(
+        "--tested-model",
+        type=Path,
+        default=None,
+        help="the model run in --precision, if not --model (--quantization gguf: a .gguf file; default the "
+        "embedded model's own)",
+    )
     parser.add_argument("--prompts", type=int, default=len(QUESTIONS), help=f"at most {len(QUESTIONS)}")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args(argv)
     if args.model is None:
-        from services.worker.model_fetch import ensure_embedded_model
+        from services.worker.model_fetch import ensure_embedded_gguf, ensure_embedded_model
 
         args.model = ensure_embedded_model()
-    report = compare(
-        args.model, args.precision, chat_prompts(args.model, args.prompts), args.new_tokens, args.quantization
-    )
+        if args.quantization == "gguf" and args.tested_model is None:
+            args.tested_model = ensure_embedded_gguf()
+    prompts = chat_prompts(args.model, args.prompts)
+    report = compare(args.model, args.precision, prompts, args.new_tokens, args.quantization, args.tested_model)
     text = json.dumps(asdict(report), indent=2)
     print(text)
     if args.out is not None:

@@ -1,0 +1,128 @@
+"""One SmolLM2 decode step's matmuls, in order, each layer with weights of its own, per weight format.
+
+    python -m services.worker.benchmarks.step_matmuls [--rows 1 2 4 8] [--repeats 5]
+
+A step multiplies every weight once, 30 layers' worth of them (270 MB in bf16), so they come from memory,
+not the cache: timing each shape alone on one warm weight (`benchmarks.int8_linear`) flatters whatever
+reads the most bytes. Here the 121 matmuls of a step (fused qkv, o, fused gate_up, down per layer, then
+the LM head) run in sequence on distinct random weights, for each path:
+
+  bf16     oneDNN on the bf16-packed weight (the bf16 path where the CPU runs bf16 natively)
+  int8     meshserve_cpu::int8_linear, one scale per row (--quantization int8)
+  gguf     meshserve_cpu::int4_linear on Q4_1 blocks and int8_linear on a Q8_0 LM head, as the embedded
+           model's GGUF file holds them (--quantization gguf)
+
+Median milliseconds per step over --repeats passes, and the bytes each path reads; the row count up to
+which a quantised path wins is what platforms/cpu.py's QUANTIZED_MAX_ROWS_* are set from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.kernels import loader
+from services.worker.layers.quantization import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+
+# (out_features, in_features) of SmolLM2-135M's per-layer matmuls: fused qkv, o, fused gate_up, down.
+LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+LM_HEAD = (49152, 576)
+LAYERS = 30
+
+
+@dataclass
+class Matmul:
+    """One matmul of the step in every format."""
+
+    in_features: int
+    packed_bf16: torch.Tensor
+    int8: Int8Weight
+    gguf: Int8Weight | Int4Weight
+
+
+def build(rows_hint: int) -> list[Matmul]:
+    torch.manual_seed(0)
+    shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES] + [LM_HEAD]
+    step = []
+    for index, (out_features, in_features) in enumerate(shapes):
+        weight = torch.randn(out_features, in_features) * 0.02
+        is_head = index == len(shapes) - 1
+        step.append(
+            Matmul(
+                in_features,
+                torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), rows_hint),
+                quantize_int8(weight),
+                quantize_int8(weight, group_size=32) if is_head else quantize_int4(weight),
+            )
+        )
+    return step
+
+
+def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None:
+    for m in step:
+        x = inputs[m.in_features]
+        if path == "bf16":
+            torch.ops.mkldnn._linear_pointwise(x, m.packed_bf16, None, "none", [], "")
+        elif path == "int8":
+            torch.ops.meshserve_cpu.int8_linear(x, m.int8.qweight, m.int8.scales)
+        elif isinstance(m.gguf, Int4Weight):
+            torch.ops.meshserve_cpu.int4_linear(x, m.gguf.packed, m.gguf.scales, m.gguf.offsets)
+        else:
+            torch.ops.meshserve_cpu.int8_linear(x, m.gguf.qweight, m.gguf.scales)
+
+
+def _median_ms(fn: Callable[[], None], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1000
+
+
+def measure(rows: list[int], repeats: int) -> dict[str, object]:
+    loader.load()
+    step = build(rows_hint=32)
+    nbytes = {
+        "bf16": sum(m.packed_bf16.numel() * 2 for m in step),
+        "int8": sum(m.int8.nbytes for m in step),
+        "gguf": sum(m.gguf.nbytes for m in step),
+    }
+    results = []
+    for n in rows:
+        inputs = {k: torch.randn(n, k).bfloat16() for k in {m.in_features for m in step}}
+        # Interleaved passes, so the host's drift falls on every path alike.
+        samples: dict[str, list[float]] = {path: [] for path in nbytes}
+        for _ in range(repeats):
+            for path, values in samples.items():
+                values.append(_median_ms(functools.partial(_run, step, path, inputs), 1))
+        times = {path: statistics.median(values) for path, values in samples.items()}
+        results.append({"rows": n, **{f"{path}_ms": t for path, t in times.items()}})
+    return {"threads": torch.get_num_threads(), "bytes": nbytes, "results": results}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    report = measure(args.rows, args.repeats)
+    print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
+    print("\n| rows | bf16 ms | int8 ms | gguf ms | int8 / bf16 | gguf / bf16 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in report["results"]:  # type: ignore[attr-defined]
+        bf16, int8, gguf = r["bf16_ms"], r["int8_ms"], r["gguf_ms"]
+        print(f"| {r['rows']} | {bf16:.2f} | {int8:.2f} | {gguf:.2f} | {int8 / bf16:.2f} | {gguf / bf16:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
