@@ -36,7 +36,7 @@ SHAPES = (
 LAYERS = 30
 
 
-def _median_us(fn: Callable[[], object], repeats: int) -> float:
+def median_us(fn: Callable[[], object], repeats: int) -> float:
     fn()
     times = []
     for _ in range(repeats):
@@ -50,7 +50,7 @@ def copy_bandwidth_gbs(megabytes: int = 256, repeats: int = 5) -> float:
     """Host memory bandwidth as a large tensor copy sees it (read + write bytes per second)."""
     src = torch.ones(megabytes << 18, dtype=torch.float32)
     dst = torch.empty_like(src)
-    seconds = _median_us(lambda: dst.copy_(src), repeats) / 1e6
+    seconds = median_us(lambda: dst.copy_(src), repeats) / 1e6
     return 2 * src.numel() * 4 / seconds / 1e9
 
 
@@ -61,18 +61,18 @@ def _time_paths(
     x = torch.randn(rows, weight.shape[1], dtype=torch.bfloat16)
     xf = x.float()
     times = {
-        "int8_us": _median_us(lambda: torch.ops.meshserve_cpu.int8_linear(x, q.qweight, q.scales), repeats),
-        "onednn_fp32_us": _median_us(
+        "int8_us": median_us(lambda: torch.ops.meshserve_cpu.int8_linear(x, q.qweight, q.scales), repeats),
+        "onednn_fp32_us": median_us(
             lambda: torch.ops.mkldnn._linear_pointwise(xf, packed, None, "none", [], "").bfloat16(), repeats
         ),
     }
     if packed_bf16 is not None:
-        times["onednn_bf16_us"] = _median_us(
+        times["onednn_bf16_us"] = median_us(
             lambda: torch.ops.mkldnn._linear_pointwise(x, packed_bf16, None, "none", [], ""), repeats
         )
     torch._C._set_mkldnn_enabled(False)
     try:
-        times["aten_bf16_us"] = _median_us(lambda: torch.nn.functional.linear(x, weight), repeats)
+        times["aten_bf16_us"] = median_us(lambda: torch.nn.functional.linear(x, weight), repeats)
     finally:
         torch._C._set_mkldnn_enabled(True)
     return times

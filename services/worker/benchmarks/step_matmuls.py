@@ -22,12 +22,11 @@ import argparse
 import functools
 import json
 import statistics
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.benchmarks.int8_linear import median_us
 from services.worker.kernels import loader
 from services.worker.layers.quantization import Int4Weight, Int8Weight, quantize_int4, quantize_int8
 
@@ -78,16 +77,6 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
             torch.ops.meshserve_cpu.int8_linear(x, m.gguf.qweight, m.gguf.scales)
 
 
-def _median_ms(fn: Callable[[], None], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
-
-
 def measure(rows: list[int], repeats: int) -> dict[str, object]:
     loader.load()
     step = build(rows_hint=32)
@@ -103,7 +92,7 @@ def measure(rows: list[int], repeats: int) -> dict[str, object]:
         samples: dict[str, list[float]] = {path: [] for path in nbytes}
         for _ in range(repeats):
             for path, values in samples.items():
-                values.append(_median_ms(functools.partial(_run, step, path, inputs), 1))
+                values.append(median_us(functools.partial(_run, step, path, inputs), 1) / 1000)
         times = {path: statistics.median(values) for path, values in samples.items()}
         results.append({"rows": n, **{f"{path}_ms": t for path, t in times.items()}})
     return {"threads": torch.get_num_threads(), "bytes": nbytes, "results": results}

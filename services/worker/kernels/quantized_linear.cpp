@@ -34,6 +34,16 @@ using namespace meshserve_kernels;
 // wider blocks ran up to twice as long per row (docs/benchmarks.md).
 constexpr int64_t kInt8Rows = 4;
 
+// Calls fn.template operator()<R>() for R = rows, one of 1..N: a kernel's row count as a template argument,
+// so its per-row sums are arrays of constant size that live in registers.
+template <int64_t N, typename Fn>
+inline void with_rows(int64_t rows, const char* op, Fn&& fn) {
+  [&]<int64_t... R>(std::integer_sequence<int64_t, R...>) {
+    const bool ran = ((rows == R + 1 ? (fn.template operator()<R + 1>(), true) : false) || ...);
+    TORCH_CHECK(ran, op, ": ", rows, " rows");
+  }(std::make_integer_sequence<int64_t, N>{});
+}
+
 // Weight rows ahead of the one being multiplied whose cache lines are asked for early: a decode step streams
 // every weight from memory once, and with the arithmetic between the loads the hardware prefetcher fell
 // behind (a SmolLM2 step's int4 matmuls 10.0 -> 8.2 ms; docs/benchmarks.md).
@@ -161,22 +171,11 @@ inline void dot_rows_scaled(const float* x, int64_t k_size, const int8_t* w, con
 inline void dot_block(int64_t rows, const float* x, int64_t k_size, const int8_t* w, const float* scales,
                       int64_t group_size, float* acc) {
   const int64_t per_group = group_size / fVec::size();
-  if (group_size <= kSmallGroup && group_size % fVec::size() == 0 && (per_group & (per_group - 1)) == 0) {
-    switch (rows) {
-      case 1: return dot_rows_scaled<1>(x, k_size, w, scales, group_size, acc);
-      case 2: return dot_rows_scaled<2>(x, k_size, w, scales, group_size, acc);
-      case 3: return dot_rows_scaled<3>(x, k_size, w, scales, group_size, acc);
-      case 4: return dot_rows_scaled<4>(x, k_size, w, scales, group_size, acc);
-      default: TORCH_CHECK(false, "dot_block: ", rows, " rows");
-    }
-  }
-  switch (rows) {
-    case 1: return dot_rows<1>(x, k_size, w, scales, group_size, acc);
-    case 2: return dot_rows<2>(x, k_size, w, scales, group_size, acc);
-    case 3: return dot_rows<3>(x, k_size, w, scales, group_size, acc);
-    case 4: return dot_rows<4>(x, k_size, w, scales, group_size, acc);
-    default: TORCH_CHECK(false, "dot_block: ", rows, " rows");
-  }
+  if (group_size <= kSmallGroup && group_size % fVec::size() == 0 && (per_group & (per_group - 1)) == 0)
+    return with_rows<kInt8Rows>(rows, "dot_block", [&]<int64_t R>() {
+      dot_rows_scaled<R>(x, k_size, w, scales, group_size, acc);
+    });
+  with_rows<kInt8Rows>(rows, "dot_block", [&]<int64_t R>() { dot_rows<R>(x, k_size, w, scales, group_size, acc); });
 }
 
 // y[M, N] = x[M, K] W^T with W[n, k] = q[n, k] * scales[n, k / group]: float32 accumulation, each output
@@ -303,15 +302,10 @@ inline void int4_dot_rows(const float* x, int64_t k_size, const uint8_t* w, cons
 // int4_dot_rows for a block of 1..kInt8Rows rows (out of line from the parallel loop, as dot_block).
 inline void int4_dot_block(int64_t rows, const float* x, int64_t k_size, const uint8_t* w, const float* scales,
                            const float* offsets, float* acc) {
-  switch (rows) {
-    case 1: return int4_dot_rows<1>(x, k_size, w, scales, offsets, acc);
-    case 2: return int4_dot_rows<2>(x, k_size, w, scales, offsets, acc);
-    case 3: return int4_dot_rows<3>(x, k_size, w, scales, offsets, acc);
-    case 4: return int4_dot_rows<4>(x, k_size, w, scales, offsets, acc);
-    default: TORCH_CHECK(false, "int4_dot_block: ", rows, " rows");
-  }
+  with_rows<kInt8Rows>(rows, "int4_dot_block", [&]<int64_t R>() {
+    int4_dot_rows<R>(x, k_size, w, scales, offsets, acc);
+  });
 }
-
 
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 // bf16 activations on an AVX512-BF16 CPU. A code q (0..15) ORed into the bf16 bits of 128.0 is the bf16
@@ -406,27 +400,16 @@ inline void int4_dot_rows_bf16(const at::BFloat16* x_arranged, const at::BFloat1
 }
 
 // Rows per pass of the bf16 path: a row costs three instructions a pair of blocks beside the five that
-// dequantise it, so up to 8 rows (a decode batch, or one sequence verifying prompt-lookup drafts) share
-// one pass over the weights.
+// dequantise it, so up to 8 rows share one pass over the weights (a step's matmuls of 8 rows: 25.5 ms in
+// one pass, 31 ms in two of 4).
 constexpr int64_t kInt4Bf16Rows = 8;
-
-template <int64_t... R>
-inline void int4_dot_block_bf16_for(std::integer_sequence<int64_t, R...>, int64_t rows, const at::BFloat16* x_arranged,
-                                    const at::BFloat16* x_raw, const float* block_sums, int64_t k_size,
-                                    const uint8_t* w, const float* scales, const float* offsets, float* acc) {
-  const bool ran = ((rows == R + 1 ? (int4_dot_rows_bf16<R + 1>(x_arranged, x_raw, block_sums, k_size, w, scales,
-                                                                 offsets, acc),
-                                      true)
-                                   : false) ||
-                    ...);
-  TORCH_CHECK(ran, "int4_dot_block_bf16: ", rows, " rows");
-}
 
 inline void int4_dot_block_bf16(int64_t rows, const at::BFloat16* x_arranged, const at::BFloat16* x_raw,
                                 const float* block_sums, int64_t k_size, const uint8_t* w, const float* scales,
                                 const float* offsets, float* acc) {
-  int4_dot_block_bf16_for(std::make_integer_sequence<int64_t, kInt4Bf16Rows>{}, rows, x_arranged, x_raw, block_sums,
-                          k_size, w, scales, offsets, acc);
+  with_rows<kInt4Bf16Rows>(rows, "int4_dot_block_bf16", [&]<int64_t R>() {
+    int4_dot_rows_bf16<R>(x_arranged, x_raw, block_sums, k_size, w, scales, offsets, acc);
+  });
 }
 
 // int4_linear's body for bf16 x on this CPU.
