@@ -24,6 +24,12 @@ log = structlog.get_logger()
 # weights against 33 ms in bf16, and of 8 rows the bf16 GEMM won.
 QUANTIZED_MAX_ROWS = 8
 QUANTIZED_MAX_ROWS_NATIVE_HALF = 4
+# On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
+# prefill kernel on a chunk of this many causal query-key pairs and more (scripts/prefill_attention_bench.py
+# on the AMX Xeon: 1.9x on a 512-token prompt, 1.2x on 50 tokens after 992 cached, even at a 96-token
+# prompt; the kernel 1.5-2.4x on 32-64-token ones, where SDPA's per-sequence call and gather dominate).
+# Without AMX the kernel wins every shape (3.7-5.4x on the Zen 4 EPYC).
+SDPA_PREFILL_PAIRS_AMX = 4096
 
 
 def cpu_ops(kernels: str = "auto") -> Ops:
@@ -44,7 +50,8 @@ def cpu_ops(kernels: str = "auto") -> Ops:
             ) from error
         log.warning("cpu_kernels_unavailable", error=str(error), fallback="reference")
         return ReferenceOps(attention.HND)
-    return NativeCpuOps(attention.HND)
+    amx = torch.cpu._is_amx_tile_supported()
+    return NativeCpuOps(attention.HND, sdpa_prefill_pairs=SDPA_PREFILL_PAIRS_AMX if amx else None)
 
 
 @contextlib.contextmanager

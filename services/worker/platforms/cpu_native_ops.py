@@ -21,12 +21,24 @@ def _native_prefill_shape(head_dim: int, block_size: int) -> bool:
     return bool(torch.ops.meshserve_cpu.prefill_attention_supported(head_dim, block_size))
 
 
+def causal_pairs(query_len: int, seq_len: int) -> int:
+    """Query-key pairs a sequence's prefill chunk attends: each query sees its context and itself."""
+    return query_len * (seq_len - query_len) + query_len * (query_len + 1) // 2
+
+
 class NativeCpuOps(ReferenceOps):
     """The reference ops with native fused norms, SwiGLU, rotary, KV cache write, decode and prefill attention.
 
     The elementwise kernels round exactly as the reference does; attention keeps scores and
     probabilities in float32 where the reference rounds them to the compute dtype.
+
+    sdpa_prefill_pairs: where torch's own SDPA beats the native prefill kernel on bf16 (its flash attention
+    runs on AMX tiles), the chunks of at least that many causal pairs go to it; None: every chunk native.
     """
+
+    def __init__(self, layout: str = attention.NHD, sdpa_prefill_pairs: int | None = None) -> None:
+        super().__init__(layout)
+        self.sdpa_prefill_pairs = sdpa_prefill_pairs
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.meshserve_cpu.rms_norm(x, weight, eps)
@@ -102,12 +114,45 @@ class NativeCpuOps(ReferenceOps):
         layout: str,
     ) -> torch.Tensor:
         """Every prefill chunk in one call, reading its blocks in place. torch's CPU SDPA ran SmolLM2's
-        512-token causal prefill at ~60 GFLOP/s in bf16, a third of a prefill step (docs/benchmarks.md)."""
+        512-token causal prefill at ~60 GFLOP/s in bf16, a third of a prefill step (docs/benchmarks.md), except
+        on AMX, where its flash attention beats the kernel on chunks of sdpa_prefill_pairs and more."""
         k_view, v_view = attention.head_major(k_cache, layout), attention.head_major(v_cache, layout)
         if k_cache.dtype != q.dtype or not _native_prefill_shape(q.shape[2], k_view.shape[2]):
             return super().prefill_attention(
                 q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, layout
             )
-        return torch.ops.meshserve_cpu.paged_prefill_attention(
-            q, k_view, v_view, block_tables, seq_lens, query_start_loc, scale
-        )
+        large = self._sdpa_chunks(q.dtype, seq_lens, query_start_loc)
+        if not large:
+            return torch.ops.meshserve_cpu.paged_prefill_attention(
+                q, k_view, v_view, block_tables, seq_lens, query_start_loc, scale
+            )
+        starts = query_start_loc.tolist()
+        out = torch.empty_like(q)
+        small = [b for b in range(seq_lens.shape[0]) if b not in large]
+        if small:  # in one native call, their rows gathered
+            rows = torch.cat([torch.arange(starts[b], starts[b + 1]) for b in small])
+            lengths = torch.tensor([starts[b + 1] - starts[b] for b in small])
+            index = torch.tensor(small)
+            out[rows] = torch.ops.meshserve_cpu.paged_prefill_attention(
+                q[rows], k_view, v_view, block_tables[index], seq_lens[index],
+                torch.cat([lengths.new_zeros(1), lengths.cumsum(0)]), scale,
+            )  # fmt: skip
+        for b in large:  # one SDPA each, as the reference
+            start, end = starts[b], starts[b + 1]
+            out[start:end] = attention.prefill_attention(
+                q[start:end], k_cache, v_cache, block_tables[b : b + 1], seq_lens[b : b + 1],
+                torch.tensor([0, end - start]), scale, layout,
+            )  # fmt: skip
+        return out
+
+    def _sdpa_chunks(self, dtype: torch.dtype, seq_lens: torch.Tensor, query_start_loc: torch.Tensor) -> set[int]:
+        """The sequences whose chunk goes to torch's SDPA (see sdpa_prefill_pairs)."""
+        if self.sdpa_prefill_pairs is None or dtype != torch.bfloat16:
+            return set()
+        starts = query_start_loc.tolist()
+        return {
+            b
+            for b, seq_len in enumerate(seq_lens.tolist())
+            if starts[b + 1] - starts[b] > 1
+            and causal_pairs(starts[b + 1] - starts[b], seq_len) >= self.sdpa_prefill_pairs
+        }

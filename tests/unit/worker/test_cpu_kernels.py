@@ -205,6 +205,47 @@ def test_prefill_attention_matches_the_reference(
     torch.testing.assert_close(got[prefill_rows].float(), truth[prefill_rows], rtol=tolerance, atol=tolerance)
 
 
+def test_chunks_of_sdpa_prefill_pairs_and_more_go_to_torchs_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.layers import attention as attention_module
+    from services.worker.platforms.cpu_native_ops import causal_pairs
+
+    lens = [40, 1, 70, 23, 300, 17, 16, 129, 65]
+    query_lens = [40, 1, 12, 5, 300, 2, 16, 33, 64]
+    q, k_cache, v_cache, tables, seq_lens, starts = _prefill_batch(lens, query_lens, 9, 3, 64, HND, torch.bfloat16)
+    sdpa_lens: list[int] = []
+    original = attention_module.prefill_attention
+
+    def recording(*args: object) -> torch.Tensor:
+        sdpa_lens.append(int(args[4].item()))  # type: ignore[attr-defined]
+        return original(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention_module, "prefill_attention", recording)
+    loader.load()
+    split = NativeCpuOps(HND, sdpa_prefill_pairs=2000)
+    got = split.prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, 0.125, HND)
+    # 300 x 300, 33 after 96 and 64 after 1 are 2,000 pairs or more; a one-token chunk never is.
+    assert sorted(sdpa_lens) == [65, 129, 300]
+    assert [causal_pairs(ql, n) >= 2000 for ql, n in zip(query_lens, lens, strict=True)].count(True) == 3
+    truth = prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts, 0.125, HND)
+    rows = torch.ones(q.shape[0], dtype=torch.bool)
+    rows[starts[1]] = False
+    torch.testing.assert_close(got[rows].float(), truth[rows], rtol=2**-7, atol=2**-7)
+    # float32, and no threshold: every chunk native.
+    sdpa_lens.clear()
+    split.prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, starts, 0.125, HND)
+    NativeCpuOps(HND).prefill_attention(q, k_cache, v_cache, tables, seq_lens, starts, 0.125, HND)
+    assert sdpa_lens == []
+
+
+def test_the_sdpa_threshold_is_set_where_the_cpu_has_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.platforms import cpu
+
+    for amx, expected in ((True, cpu.SDPA_PREFILL_PAIRS_AMX), (False, None)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        ops = cpu.cpu_ops("native")
+        assert isinstance(ops, NativeCpuOps) and ops.sdpa_prefill_pairs == expected
+
+
 def test_prefill_attention_falls_back_where_the_kernel_has_no_layout(native: NativeCpuOps) -> None:
     assert torch.ops.meshserve_cpu.prefill_attention_supported(64, 16)
     assert torch.ops.meshserve_cpu.prefill_attention_supported(128, 32)
