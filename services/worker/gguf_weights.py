@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from services.worker.layers.quantization import (
+    INT4_BLOCK,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
@@ -27,8 +28,8 @@ from services.worker.layers.quantization import (
     weight_rows_count,
 )
 
-# GGML block sizes of the formats read here (every one has 32 columns a block).
-_BLOCK = 32
+# Bytes a block of the formats read here; each block holds INT4_BLOCK (32) columns, Q8_0's too.
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
 # Per decoder layer: GGUF's tensor name -> the Hugging Face module it loads into.
 _LAYER_MATMULS = {
     "attn_q": "self_attn.q_proj",
@@ -75,23 +76,21 @@ def _halves(raw: np.ndarray, start: int) -> torch.Tensor:
 
 def decode_blocks(kind: str, data: np.ndarray, in_features: int) -> QuantizedWeight:
     """One tensor's blocks ([rows, bytes a row], GGUF's row-major order) as the worker's weight format."""
-    rows = data.shape[0]
-    blocks = in_features // _BLOCK
+    if kind not in _BLOCK_BYTES:
+        raise ValueError(f"no kernel for GGUF format {kind}")
+    raw = data.reshape(data.shape[0], in_features // INT4_BLOCK, _BLOCK_BYTES[kind])
+    rows = raw.shape[0]
     if kind == "Q8_0":  # d (f16), 32 x int8
-        raw = data.reshape(rows, blocks, 34)
         codes = np.ascontiguousarray(raw[:, :, 2:]).view(np.int8).reshape(rows, in_features)
         return Int8Weight(torch.from_numpy(codes.copy()), _halves(raw, 0).contiguous())
     if kind == "Q4_0":  # d (f16), 16 bytes of nibbles; w = d * (q - 8)
-        raw = data.reshape(rows, blocks, 18)
         scales = _halves(raw, 0)
         packed = np.ascontiguousarray(raw[:, :, 2:]).reshape(rows, in_features // 2)
         # -8 * d is exact, and so is d * q - 8 * d (it is d * (q - 8), which float32 holds exactly).
         return Int4Weight(torch.from_numpy(packed.copy()), scales.contiguous(), (-8 * scales).contiguous())
-    if kind == "Q4_1":  # d (f16), m (f16), 16 bytes of nibbles; w = d * q + m
-        raw = data.reshape(rows, blocks, 20)
-        packed = np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2)
-        return Int4Weight(torch.from_numpy(packed.copy()), _halves(raw, 0).contiguous(), _halves(raw, 2).contiguous())
-    raise ValueError(f"no kernel for GGUF format {kind}")
+    # Q4_1: d (f16), m (f16), 16 bytes of nibbles; w = d * q + m
+    packed = np.ascontiguousarray(raw[:, :, 4:]).reshape(rows, in_features // 2)
+    return Int4Weight(torch.from_numpy(packed.copy()), _halves(raw, 0).contiguous(), _halves(raw, 2).contiguous())
 
 
 def unpermute_rows(weight: QuantizedWeight, num_heads: int) -> QuantizedWeight:
@@ -116,7 +115,7 @@ def read_matmul_weights(path: Path, *, num_heads: int, num_kv_heads: int) -> GGU
         kind = tensor.tensor_type.name
         # GGUF lists dimensions fastest first: [in_features, out_features].
         in_features = int(tensor.shape[0])
-        if kind not in ("Q8_0", "Q4_0", "Q4_1") or len(tensor.shape) != 2:
+        if kind not in _BLOCK_BYTES or len(tensor.shape) != 2:
             found.dense[hf_name] = kind
             continue
         weight = decode_blocks(kind, np.asarray(tensor.data), in_features)

@@ -34,6 +34,28 @@ using namespace meshserve_kernels;
 // wider blocks ran up to twice as long per row (docs/benchmarks.md).
 constexpr int64_t kInt8Rows = 4;
 
+// The sum of N vectors' lanes: the vectors added in order, then their lanes one by one.
+template <int64_t N>
+inline float lane_total(const fVec (&sums)[N]) {
+  fVec total_vec = sums[0];
+  for (int64_t u = 1; u < N; ++u) total_vec = total_vec + sums[u];
+  float lanes[fVec::size()];
+  total_vec.store(lanes);
+  float total = 0.f;
+  for (int64_t i = 0; i < fVec::size(); ++i) total += lanes[i];
+  return total;
+}
+
+// step(i, u) for every i in [0, count): groups of U with slots u = 0..U-1 (constants once unrolled, so each
+// slot's sums stay in registers and U FMA chains run at once), the remainder in slot 0.
+template <int64_t U, typename Fn>
+inline void unrolled(int64_t count, Fn&& step) {
+  int64_t i = 0;
+  for (; i + U <= count; i += U)
+    for (int64_t u = 0; u < U; ++u) step(i + u, u);
+  for (; i < count; ++i) step(i, 0);
+}
+
 // Calls fn.template operator()<R>() for R = rows, one of 1..N: a kernel's row count as a template argument,
 // so its per-row sums are arrays of constant size that live in registers.
 template <int64_t N, typename Fn>
@@ -151,19 +173,8 @@ inline void dot_rows_scaled(const float* x, int64_t k_size, const int8_t* w, con
     const fVec wv = widen_int8(w + k) * fVec(scales[v >> shift]);
     for (int64_t r = 0; r < ROWS; ++r) sums[r][u] = at::vec::fmadd(fVec::loadu(x + r * k_size + k), wv, sums[r][u]);
   };
-  int64_t v = 0;
-  for (; v + kUnroll <= vectors; v += kUnroll)
-    for (int64_t u = 0; u < kUnroll; ++u) vector(v + u, u);
-  for (; v < vectors; ++v) vector(v, 0);
-  for (int64_t r = 0; r < ROWS; ++r) {
-    fVec total_vec = sums[r][0];
-    for (int64_t u = 1; u < kUnroll; ++u) total_vec = total_vec + sums[r][u];
-    float lanes[fVec::size()];
-    total_vec.store(lanes);
-    float total = 0.f;
-    for (int64_t i = 0; i < fVec::size(); ++i) total += lanes[i];
-    acc[r] = total;
-  }
+  unrolled<kUnroll>(vectors, vector);
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = lane_total(sums[r]);
 }
 
 // dot_rows for a block of 1..kInt8Rows rows. Every block goes through here: inlined straight into the
@@ -284,19 +295,8 @@ inline void int4_dot_rows(const float* x, int64_t k_size, const uint8_t* w, cons
     }
   };
   const int64_t blocks = k_size / kInt4Block;
-  int64_t b = 0;
-  for (; b + kUnroll <= blocks; b += kUnroll)
-    for (int64_t u = 0; u < kUnroll; ++u) block(b + u, u);
-  for (; b < blocks; ++b) block(b, 0);
-  for (int64_t r = 0; r < ROWS; ++r) {
-    fVec total_vec = sums[r][0];
-    for (int64_t u = 1; u < 2 * kUnroll; ++u) total_vec = total_vec + sums[r][u];
-    float lanes[fVec::size()];
-    total_vec.store(lanes);
-    float total = 0.f;
-    for (int64_t i = 0; i < fVec::size(); ++i) total += lanes[i];
-    acc[r] = total;
-  }
+  unrolled<kUnroll>(blocks, block);
+  for (int64_t r = 0; r < ROWS; ++r) acc[r] = lane_total(sums[r]);
 }
 
 // int4_dot_rows for a block of 1..kInt8Rows rows (out of line from the parallel loop, as dot_block).
@@ -368,10 +368,7 @@ inline void int4_dot_rows_bf16(const at::BFloat16* x_arranged, const at::BFloat1
       totals[r][u] = _mm512_fmadd_ps(s, scale, totals[r][u]);
     }
   };
-  int64_t p = 0;
-  for (; p + kSplit <= pairs; p += kSplit)
-    for (int64_t u = 0; u < kSplit; ++u) pair(p + u, u);
-  for (; p < pairs; ++p) pair(p, 0);
+  unrolled<kSplit>(pairs, pair);
   for (int64_t r = 0; r < ROWS; ++r) {
     // The offsets, less the 128s the codes carried: 16 blocks a vector.
     const float* sums = block_sums + r * blocks;
