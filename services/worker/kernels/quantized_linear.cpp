@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <utility>
 
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
@@ -80,6 +81,13 @@ inline void prefetch(const void* p, int64_t bytes) {
   (void)p;
   (void)bytes;
 #endif
+}
+
+// Asks for row n + kPrefetchRows of each weight array (its base and bytes a row) while it is before end.
+inline void prefetch_ahead(int64_t n, int64_t end, std::initializer_list<std::pair<const void*, int64_t>> arrays) {
+  if (n + kPrefetchRows >= end) return;
+  for (const auto& [base, row_bytes] : arrays)
+    prefetch(static_cast<const char*>(base) + (n + kPrefetchRows) * row_bytes, row_bytes);
 }
 
 // fVec::size() int8 weights widened to float in registers on x86 (sign-extend, convert); a scalar
@@ -216,10 +224,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
       float acc[kInt8Rows];
       for (int64_t n = begin; n < end; ++n) {
-        if (n + kPrefetchRows < end) {
-          prefetch(qp + (n + kPrefetchRows) * k_size, k_size);
-          prefetch(sp + (n + kPrefetchRows) * groups, groups * 4);
-        }
+        prefetch_ahead(n, end, {{qp, k_size}, {sp, groups * 4}});
         const int8_t* wr = qp + n * k_size;
         const float* row_scales = sp + n * groups;
         for (int64_t r = 0; r < rows; r += kInt8Rows) {
@@ -424,12 +429,7 @@ void int4_linear_bf16(const at::Tensor& x, const uint8_t* qp, const float* sp, c
   at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
     float acc[kInt4Bf16Rows];
     for (int64_t n = begin; n < end; ++n) {
-      if (n + kPrefetchRows < end) {
-        const int64_t ahead = n + kPrefetchRows;
-        prefetch(qp + ahead * row_bytes, row_bytes);
-        prefetch(sp + ahead * blocks, blocks * 4);
-        prefetch(op_ + ahead * blocks, blocks * 4);
-      }
+      prefetch_ahead(n, end, {{qp, row_bytes}, {sp, blocks * 4}, {op_, blocks * 4}});
       for (int64_t r = 0; r < rows; r += kInt4Bf16Rows) {
         const int64_t block = std::min(kInt4Bf16Rows, rows - r);
         int4_dot_block_bf16(block, arranged.data() + r * stride, xp + r * k_size, block_sums.data() + r * blocks,
@@ -477,6 +477,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
       float acc[kInt8Rows];
       for (int64_t n = begin; n < end; ++n) {
+        prefetch_ahead(n, end, {{qp, k_size / 2}, {sp, blocks * 4}, {op_, blocks * 4}});
         const uint8_t* wr = qp + n * (k_size / 2);
         for (int64_t r = 0; r < rows; r += kInt8Rows) {
           const int64_t block = std::min(kInt8Rows, rows - r);
