@@ -27,7 +27,14 @@ from services.worker.kv_cache import KVCache, bytes_per_block
 from services.worker.kv_sizing import DeviceMemory, blocks_for_budget, check_fits_one_sequence, device_kv_budget
 from services.worker.kv_transfer import KVTransfer
 from services.worker.layers.attention import AttentionMetadata
-from services.worker.layers.linear import attach_quantized, pack_linears, quantize_matmuls, release_quantized_weights
+from services.worker.layers.linear import (
+    attach_half_weights,
+    attach_quantized,
+    pack_linears,
+    quantize_matmuls,
+    release_quantized_weights,
+)
+from services.worker.layers.quantization import weight_parts
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.pipeline_partition import StageLayers, partition_model
@@ -241,12 +248,18 @@ class ModelRunner:
         return stages[rank // tp]
 
     def _weights_bytes(self) -> int:
-        plain = sum(p.numel() * p.element_size() for p in self.model.parameters())
-        # The oneDNN-packed copies are not parameters, and where they are the only copy (packed in the
-        # compute dtype) the plain weights are empty: counted here, or a packed model reads as nearly free.
+        # The oneDNN-packed and quantised copies are not parameters, and where they are the only copy (packed
+        # in the compute dtype) the plain weights are empty: counted here, or a packed model reads as nearly
+        # free. Each plain tensor once: a half-weight kernel reads the very tensor the embedding looks up.
         matmuls = self.model.matmul_modules()
+        # oneDNN's packed weights are opaque (no storage to share), counted by size.
         packed = sum(m.packed.numel() * m.packed.element_size() for m in matmuls if m.packed is not None)
-        return plain + packed + sum(m.quantized.weight.nbytes for m in matmuls if m.quantized is not None)
+        tensors: list[torch.Tensor] = list(self.model.parameters())
+        for m in matmuls:
+            if m.quantized is not None:
+                tensors.extend(weight_parts(m.quantized.weight).values())
+        plain = {t.data_ptr(): t.numel() * t.element_size() for t in tensors if t.numel() > 0}
+        return packed + sum(plain.values())
 
     def _rank_memory(self) -> list[RankMemory]:
         weights = self._weights_bytes()
@@ -339,6 +352,10 @@ class ModelRunner:
                 quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_linear, max_rows)
             else:
                 self._attach_gguf_blocks(model, hf_config, source, max_rows)
+        elif (half_rows := self.platform.half_max_rows(self.precision.compute)) > 0:
+            # No native half GEMM here: small steps read the bf16/fp16 weights, not the fp32 copies packed below.
+            ops = self.platform.ops
+            attach_half_weights(model.matmul_modules(), self.precision.compute, ops.quantized_linear, half_rows)
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
@@ -371,10 +388,12 @@ class ModelRunner:
     @property
     def matmul_weights(self) -> str:
         """How the linears hold their matmul weights: "plain", or packed for oneDNN ("onednn-<dtype>"), after
-        "int8+" when small steps run on int8 copies."""
+        "int8+" (or "gguf+") when small steps run on quantised copies, "half+" when on the half weights."""
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         layout = "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
-        return layout if self.config.quantization is None else f"{self.config.quantization}+{layout}"
+        if self.config.quantization is not None:
+            return f"{self.config.quantization}+{layout}"
+        return f"half+{layout}" if self.platform.half_max_rows(self.precision.compute) > 0 else layout
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
         """Profile the largest step, then turn the memory budget into a block count all ranks share."""

@@ -7,13 +7,16 @@ not the cache: timing each shape alone on one warm weight (`benchmarks.int8_line
 reads the most bytes. Here the 121 matmuls of a step (fused qkv, o, fused gate_up, down per layer, then
 the LM head) run in sequence on distinct random weights, for each path:
 
-  bf16     oneDNN on the bf16-packed weight (the bf16 path where the CPU runs bf16 natively)
+  bf16     oneDNN on the weight packed as a bf16 model's is here: in bf16 where the CPU runs bf16 natively,
+           else in fp32 (the input widened, the output rounded back)
+  half     meshserve_cpu::half_linear on the bf16 weight itself (a bf16 model's small steps where the CPU
+           has no native bf16 GEMM: platform.half_max_rows)
   int8     meshserve_cpu::int8_linear, one scale per row (--quantization int8)
   gguf     meshserve_cpu::int4_linear on Q4_1 blocks and int8_linear on a Q8_0 LM head, as the embedded
            model's GGUF file holds them (--quantization gguf)
 
 Median milliseconds per step over --repeats passes, and the bytes each path reads; the row count up to
-which a quantised path wins is what platforms/cpu.py's QUANTIZED_MAX_ROWS_* are set from.
+which a path wins is what platforms/cpu.py's QUANTIZED_MAX_ROWS_* and HALF_MAX_ROWS are set from.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch
 from services.worker.benchmarks.int8_linear import median_us
 from services.worker.kernels import loader
 from services.worker.layers.quantization import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from services.worker.platforms.cpu import CpuPlatform
 
 # (out_features, in_features) of SmolLM2-135M's per-layer matmuls: fused qkv, o, fused gate_up, down.
 LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
@@ -41,12 +45,13 @@ class Matmul:
     """One matmul of the step in every format."""
 
     in_features: int
+    bf16: torch.Tensor
     packed_bf16: torch.Tensor
     int8: Int8Weight
     gguf: Int8Weight | Int4Weight
 
 
-def build(rows_hint: int) -> list[Matmul]:
+def build(rows_hint: int, pack_dtype: torch.dtype) -> list[Matmul]:
     torch.manual_seed(0)
     shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES] + [LM_HEAD]
     step = []
@@ -56,7 +61,8 @@ def build(rows_hint: int) -> list[Matmul]:
         step.append(
             Matmul(
                 in_features,
-                torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16(), rows_hint),
+                weight.bfloat16(),
+                torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().to(pack_dtype), rows_hint),
                 quantize_int8(weight),
                 quantize_int8(weight, group_size=32) if is_head else quantize_int4(weight),
             )
@@ -68,7 +74,10 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
     for m in step:
         x = inputs[m.in_features]
         if path == "bf16":
-            torch.ops.mkldnn._linear_pointwise(x, m.packed_bf16, None, "none", [], "")
+            out = torch.ops.mkldnn._linear_pointwise(x.to(m.packed_bf16.dtype), m.packed_bf16, None, "none", [], "")
+            out.bfloat16()
+        elif path == "half":
+            torch.ops.meshserve_cpu.half_linear(x, m.bf16)
         elif path == "int8":
             torch.ops.meshserve_cpu.int8_linear(x, m.int8.qweight, m.int8.scales)
         elif isinstance(m.gguf, Int4Weight):
@@ -79,9 +88,11 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
 
 def measure(rows: list[int], repeats: int) -> dict[str, object]:
     loader.load()
-    step = build(rows_hint=32)
+    pack_dtype = CpuPlatform(kernels="native").matmul_pack_dtype(torch.bfloat16) or torch.bfloat16
+    step = build(rows_hint=32, pack_dtype=pack_dtype)
     nbytes = {
-        "bf16": sum(m.packed_bf16.numel() * 2 for m in step),
+        "bf16": sum(m.packed_bf16.numel() * pack_dtype.itemsize for m in step),
+        "half": sum(m.bf16.numel() * 2 for m in step),
         "int8": sum(m.int8.nbytes for m in step),
         "gguf": sum(m.gguf.nbytes for m in step),
     }
@@ -95,7 +106,7 @@ def measure(rows: list[int], repeats: int) -> dict[str, object]:
                 values.append(median_us(functools.partial(_run, step, path, inputs), 1) / 1000)
         times = {path: statistics.median(values) for path, values in samples.items()}
         results.append({"rows": n, **{f"{path}_ms": t for path, t in times.items()}})
-    return {"threads": torch.get_num_threads(), "bytes": nbytes, "results": results}
+    return {"threads": torch.get_num_threads(), "bf16_packed_in": str(pack_dtype), "bytes": nbytes, "results": results}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -105,11 +116,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = measure(args.rows, args.repeats)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
-    print("\n| rows | bf16 ms | int8 ms | gguf ms | int8 / bf16 | gguf / bf16 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("\n| rows | bf16 ms | half ms | int8 ms | gguf ms | half / bf16 | int8 / bf16 | gguf / bf16 |")
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in report["results"]:  # type: ignore[attr-defined]
-        bf16, int8, gguf = r["bf16_ms"], r["int8_ms"], r["gguf_ms"]
-        print(f"| {r['rows']} | {bf16:.2f} | {int8:.2f} | {gguf:.2f} | {int8 / bf16:.2f} | {gguf / bf16:.2f} |")
+        bf16, half, int8, gguf = r["bf16_ms"], r["half_ms"], r["int8_ms"], r["gguf_ms"]
+        print(
+            f"| {r['rows']} | {bf16:.2f} | {half:.2f} | {int8:.2f} | {gguf:.2f} | {half / bf16:.2f} | "
+            f"{int8 / bf16:.2f} | {gguf / bf16:.2f} |"
+        )
     return 0
 
 

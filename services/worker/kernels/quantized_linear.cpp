@@ -1,7 +1,8 @@
-// Native weight-only quantised linears for the worker's CPU: int8 rows with float32 scales per group of
-// input columns (--quantization int8, and GGUF's Q8_0), and 4-bit codes with a scale and an offset per
-// block of 32 columns (GGUF's Q4_0 and Q4_1, --quantization gguf). Registered into torch.ops.meshserve_cpu
-// beside cpu_ops.cpp's kernels; built and loaded by kernels/loader.py.
+// Native weight-only linears for the worker's CPU: int8 rows with float32 scales per group of input columns
+// (--quantization int8, and GGUF's Q8_0), 4-bit codes with a scale and an offset per block of 32 columns
+// (GGUF's Q4_0 and Q4_1, --quantization gguf), and bf16/fp16 weights read as they are where the CPU has no
+// native half-precision GEMM. Registered into torch.ops.meshserve_cpu beside cpu_ops.cpp's kernels; built and
+// loaded by kernels/loader.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -235,6 +236,110 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
       }
     });
   });
+  return out;
+}
+
+// ------------------------------------------------------------------------- half-precision weight linear
+
+// Where the CPU has no native bf16/fp16 GEMM (AVX2 hosts, AVX-512 without BF16, the portable build) the
+// packed GEMM runs on fp32 copies of the weights, which doubles the bytes a decode step reads. This one
+// reads the bf16/fp16 weight itself and widens it in registers: the same products and float32 sums, half
+// the memory traffic.
+
+// fVec::size() bf16 or fp16 weights widened to float: bf16 is the top half of a float32 (a 16-bit shift),
+// fp16 goes through F16C's vcvtph2ps. A scalar widening on the portable build.
+inline fVec widen_half(const at::BFloat16* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return fVec(_mm512_castsi512_ps(_mm512_slli_epi32(wide, 16)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return fVec(_mm256_castsi256_ps(_mm256_slli_epi32(wide, 16)));
+#else
+  float lanes[fVec::size()];
+  for (int64_t i = 0; i < fVec::size(); ++i) lanes[i] = static_cast<float>(w[i]);
+  return fVec::loadu(lanes);
+#endif
+}
+
+inline fVec widen_half(const at::Half* w) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return fVec(_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w))));
+#elif defined(CPU_CAPABILITY_AVX2)
+  return fVec(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w))));
+#else
+  float lanes[fVec::size()];
+  for (int64_t i = 0; i < fVec::size(); ++i) lanes[i] = static_cast<float>(w[i]);
+  return fVec::loadu(lanes);
+#endif
+}
+
+// Rows of x per pass over a weight row, as kInt8Rows: each widened vector serves them all.
+constexpr int64_t kHalfRows = 4;
+// Independent sums per row. The same for every row count, so a row's result never depends on how many
+// rows share its pass (one request's logits do not change with the batch it decodes in).
+constexpr int64_t kHalfChains = 2;
+
+// acc[r] = sum_k x[r][k] * w[k] for ROWS rows of x (row stride k_size) and one half-precision weight row.
+template <int64_t ROWS, typename w_t>
+inline void half_dot_rows(const float* x, int64_t k_size, const w_t* w, float* acc) {
+  fVec sums[ROWS][kHalfChains];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t u = 0; u < kHalfChains; ++u) sums[r][u] = fVec(0.f);
+  auto vector = [&](int64_t v, int64_t u) {
+    const int64_t k = v * fVec::size();
+    const fVec wv = widen_half(w + k);
+    for (int64_t r = 0; r < ROWS; ++r) sums[r][u] = at::vec::fmadd(fVec::loadu(x + r * k_size + k), wv, sums[r][u]);
+  };
+  const int64_t vectors = k_size / fVec::size();
+  unrolled<kHalfChains>(vectors, vector);
+  for (int64_t r = 0; r < ROWS; ++r) {
+    float total = lane_total(sums[r]);
+    for (int64_t k = vectors * fVec::size(); k < k_size; ++k) total += x[r * k_size + k] * static_cast<float>(w[k]);
+    acc[r] = total;
+  }
+}
+
+template <typename w_t>
+inline void half_dot_block(int64_t rows, const float* x, int64_t k_size, const w_t* w, float* acc) {
+  with_rows<kHalfRows>(rows, "half_dot_block", [&]<int64_t R>() { half_dot_rows<R>(x, k_size, w, acc); });
+}
+
+// y[M, N] = x[M, K] W^T with W bf16 or fp16 [N, K]: float32 products and accumulation, each output rounded
+// once to x's dtype (what a GEMM on the weight widened to float32 computes, up to the order of the sums).
+at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
+  check_cpu(x, "x");
+  check_cpu(weight, "weight");
+  TORCH_CHECK(x.dim() == 2, "half_linear: x must be 2-D [rows, in_features]");
+  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "half_linear: weight must be bfloat16 or float16 [out, in]");
+  TORCH_CHECK(weight.size(1) == x.size(1), "half_linear: x has ", x.size(1), " features, weight ", weight.size(1));
+  const int64_t rows = x.size(0), k_size = x.size(1), n_size = weight.size(0);
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor w = weight.contiguous();
+  at::Tensor out = at::empty({rows, n_size}, x.options());
+  const int64_t row_bytes = k_size * 2;
+  auto run = [&]<typename w_t>(const w_t* wp) {
+    dispatch_dtype(x.scalar_type(), "half_linear", [&]<typename scalar_t>() {
+      const float* xp = xf.data_ptr<float>();
+      scalar_t* yp = out.data_ptr<scalar_t>();
+      at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+        float acc[kHalfRows];
+        for (int64_t n = begin; n < end; ++n) {
+          prefetch_ahead(n, end, {{wp, row_bytes}});
+          for (int64_t r = 0; r < rows; r += kHalfRows) {
+            const int64_t block = std::min(kHalfRows, rows - r);
+            half_dot_block(block, xp + r * k_size, k_size, wp + n * k_size, acc);
+            for (int64_t i = 0; i < block; ++i) yp[(r + i) * n_size + n] = static_cast<scalar_t>(acc[i]);
+          }
+        }
+      });
+    });
+  };
+  if (w.scalar_type() == at::kBFloat16)
+    run(w.data_ptr<at::BFloat16>());
+  else
+    run(w.data_ptr<at::Half>());
   return out;
 }
 
@@ -495,9 +600,11 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
+  m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {
   m.impl("int8_linear", &int8_linear);
   m.impl("int4_linear", &int4_linear);
+  m.impl("half_linear", &half_linear);
 }

@@ -15,6 +15,7 @@ from torch import nn
 
 from services.worker.distributed import TPGroup
 from services.worker.layers.quantization import (
+    HalfWeight,
     QuantizedLinearOp,
     QuantizedMatmul,
     QuantizedWeight,
@@ -248,6 +249,17 @@ def quantize_matmuls(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max
         raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
     for module in modules:
         module.quantized = QuantizedMatmul(quantize_int8(module.weight), op, max_rows)
+
+
+def attach_half_weights(
+    modules: Iterable[MatmulModule], compute_dtype: torch.dtype, op: QuantizedLinearOp, max_rows: int
+) -> None:
+    """Give each linear (and the LM head) its own weight in compute_dtype as a HalfWeight, run by op for steps of
+    up to max_rows rows (where the platform's GEMM would read fp32 copies instead). Run before pack_linears."""
+    if max_rows < 1:
+        raise ValueError(f"half max_rows must be >= 1, got {max_rows}")
+    for module in modules:
+        module.quantized = QuantizedMatmul(HalfWeight(_cast(module.weight.detach(), compute_dtype)), op, max_rows)
 
 
 def attach_quantized(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max_rows: int) -> int:

@@ -118,8 +118,28 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed.contiguous(), scales.contiguous(), low.contiguous())
 
 
-# The weight formats a quantised linear may hold; each has nbytes and dequantize(dtype).
-QuantizedWeight = Int8Weight | Int4Weight
+@dataclass(frozen=True)
+class HalfWeight:
+    """A bf16 or fp16 weight [out, in] as it is, not quantised: where the CPU has no native half-precision
+    GEMM, the packed GEMM runs on fp32 copies (twice the bytes a decode step reads), so small steps take a
+    kernel that reads this one instead, as quantised weights' small steps do (platform.half_max_rows)."""
+
+    weight: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return self.weight.to(dtype)
+
+
+# The weight formats a small-step kernel may hold; each has nbytes and dequantize(dtype).
+QuantizedWeight = Int8Weight | Int4Weight | HalfWeight
 # A platform's kernel for a quantised weight: x [rows, in] -> [rows, out] in x's dtype.
 QuantizedLinearOp = Callable[[torch.Tensor, QuantizedWeight], torch.Tensor]
 
@@ -131,7 +151,7 @@ def weight_parts(weight: QuantizedWeight) -> dict[str, torch.Tensor]:
 
 def _rebuilt(weight: QuantizedWeight, parts: dict[str, torch.Tensor]) -> QuantizedWeight:
     """A weight of the same format from new tensors (parts by field name)."""
-    cls: type[Int8Weight] | type[Int4Weight] = type(weight)
+    cls: type[Int8Weight] | type[Int4Weight] | type[HalfWeight] = type(weight)
     return cls(**parts)
 
 

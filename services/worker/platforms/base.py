@@ -8,7 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.layers.quantization import Int4Weight, Int8Weight, QuantizedWeight, quantized_linear_reference
+from services.worker.layers.quantization import (
+    HalfWeight,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    quantized_linear_reference,
+)
 from services.worker.startup_error import StartupError
 
 
@@ -86,10 +92,17 @@ class Ops(abc.ABC):
         """x [rows, in] times the 4-bit weight [out, in] dequantised, transposed: [rows, out] in x's dtype."""
         return quantized_linear_reference(x, weight)
 
+    def half_linear(self, x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
+        """x [rows, in] times the bf16/fp16 weight [out, in] widened to float32, transposed: [rows, out] in x's
+        dtype."""
+        return quantized_linear_reference(x, weight)
+
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         """The kernel for the weight's format (a quantised layer's op: layers.quantization.QuantizedMatmul)."""
         if isinstance(weight, Int4Weight):
             return self.int4_linear(x, weight)
+        if isinstance(weight, HalfWeight):
+            return self.half_linear(x, weight)
         return self.int8_linear(x, weight)
 
 
@@ -152,6 +165,11 @@ class Platform(abc.ABC):
         """Rows up to which --quantization runs a linear on its quantised weight, against the GEMM that
         compute_dtype's matmuls run on; 0: the platform has no quantised kernels worth running, so the flag
         is refused at startup rather than quietly slower."""
+        return 0
+
+    def half_max_rows(self, compute_dtype: torch.dtype) -> int:
+        """Rows up to which an unquantised model's linears run on their bf16/fp16 weight through
+        Ops.half_linear rather than the GEMM compute_dtype's matmuls run on; 0: never."""
         return 0
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:

@@ -24,6 +24,12 @@ log = structlog.get_logger()
 # weights against 33 ms in bf16, and of 8 rows the bf16 GEMM won.
 QUANTIZED_MAX_ROWS = 8
 QUANTIZED_MAX_ROWS_NATIVE_HALF = 4
+# Rows up to which an unquantised bf16/fp16 model's linears read their half-precision weight through the
+# native half_linear kernel where the CPU has no native half GEMM (AVX2, AVX-512 without BF16, the portable
+# build), instead of oneDNN on fp32 copies (twice the bytes) or ATen's one-row GEMV. On the Zen 3 EPYC a
+# SmolLM2 step's matmuls (benchmarks.step_matmuls) took 16-31 ms on it against 46-63 ms for 1-8 rows,
+# 80 against 83-89 ms for 16, and lost from 20 rows (109 against 85 ms); docs/benchmarks.md.
+HALF_MAX_ROWS = 16
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel on a chunk of this many causal query-key pairs and more (scripts/prefill_attention_bench.py
 # on the AMX Xeon: 1.9x on a 512-token prompt, 1.2x on 50 tokens after 992 cached, even at a 96-token
@@ -91,6 +97,12 @@ class CpuPlatform(Platform):
             return 0
         native_half = compute_dtype != torch.float32 and self.matmul_pack_dtype(compute_dtype) == compute_dtype
         return QUANTIZED_MAX_ROWS_NATIVE_HALF if native_half else QUANTIZED_MAX_ROWS
+
+    def half_max_rows(self, compute_dtype: torch.dtype) -> int:
+        # Only where the packed GEMM widens the weights: a native bf16/fp16 GEMM reads the half weights itself.
+        if not isinstance(self._ops, NativeCpuOps) or compute_dtype == torch.float32:
+            return 0
+        return HALF_MAX_ROWS if self.matmul_pack_dtype(compute_dtype) == torch.float32 else 0
 
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively

@@ -7,7 +7,7 @@ import functools
 import torch
 
 from services.worker.layers import attention
-from services.worker.layers.quantization import Int4Weight, Int8Weight
+from services.worker.layers.quantization import HalfWeight, Int4Weight, Int8Weight
 from services.worker.platforms.reference_ops import ReferenceOps
 
 
@@ -65,6 +65,10 @@ class NativeCpuOps(ReferenceOps):
     def int4_linear(self, x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         """Each block of 4-bit codes dequantised once in registers and used for every row (quantized_linear.cpp)."""
         return torch.ops.meshserve_cpu.int4_linear(x, weight.packed, weight.scales, weight.offsets)
+
+    def half_linear(self, x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
+        """The bf16/fp16 weight widened in registers, each vector used for every row (quantized_linear.cpp)."""
+        return torch.ops.meshserve_cpu.half_linear(x, weight.weight)
 
     def reshape_and_cache(
         self,

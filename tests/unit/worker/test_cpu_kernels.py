@@ -22,7 +22,7 @@ from services.worker.layers.attention import (
     prefill_attention,
     reshape_and_cache,
 )
-from services.worker.layers.quantization import quantize_int4, quantize_int8, quantized_linear_reference
+from services.worker.layers.quantization import HalfWeight, quantize_int4, quantize_int8, quantized_linear_reference
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
 from services.worker.platforms.cpu_native_ops import NativeCpuOps
@@ -304,6 +304,30 @@ def test_int4_linear_matches_the_dequantised_reference(
     _ulp_close(native.int4_linear(x, weight), quantized_linear_reference(x, weight))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+# Rows around the kernel's passes of 4; widths of whole vectors (both ISAs) and ones with a scalar tail.
+@pytest.mark.parametrize(("rows", "in_features"), [(1, 576), (2, 1536), (4, 100), (5, 64), (8, 576), (11, 17)])
+def test_half_linear_matches_the_widened_reference(
+    native: NativeCpuOps, dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, in_features: int
+) -> None:
+    g = torch.Generator().manual_seed(rows)
+    weight = HalfWeight((torch.randn(70, in_features, generator=g) * 0.05).to(weight_dtype))
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    _ulp_close(native.half_linear(x, weight), quantized_linear_reference(x, weight))
+
+
+def test_half_linear_rows_do_not_depend_on_their_batch(native: NativeCpuOps) -> None:
+    # Every row sums in the same order however many rows share its pass: a request's logits are the same
+    # in whatever batch of up to the kernel's rows it decodes.
+    g = torch.Generator().manual_seed(3)
+    weight = torch.randn(300, 576, generator=g).bfloat16()
+    x = torch.randn(8, 576, generator=g).bfloat16()
+    together = torch.ops.meshserve_cpu.half_linear(x, weight)
+    for r in range(8):
+        assert torch.equal(torch.ops.meshserve_cpu.half_linear(x[r : r + 1], weight), together[r : r + 1])
+
+
 def test_int4_linear_reads_codes_in_ggufs_nibble_order(native: NativeCpuOps) -> None:
     # One block of one row: byte j holds column j (low nibble) and column j + 16 (high nibble).
     packed = torch.tensor([[(15 - j) << 4 | j for j in range(16)]], dtype=torch.uint8)
@@ -361,6 +385,13 @@ def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
         int4(torch.ones(2, 32), codes, torch.ones(3, 1), torch.ones(3, 2))
     with pytest.raises(RuntimeError, match=r"scales and offsets must be float32"):
         int4(torch.ones(2, 32), codes, torch.ones(3, 1), torch.ones(3, 1, dtype=torch.float16))
+    half = torch.ops.meshserve_cpu.half_linear
+    with pytest.raises(RuntimeError, match="weight must be bfloat16 or float16"):
+        half(torch.ones(2, 4), torch.ones(3, 4))
+    with pytest.raises(RuntimeError, match="x has 5 features, weight 4"):
+        half(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="x must be 2-D"):
+        half(torch.ones(5), torch.ones(3, 5, dtype=torch.bfloat16))
 
 
 def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: NativeCpuOps) -> None:

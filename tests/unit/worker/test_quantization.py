@@ -161,6 +161,17 @@ def test_the_quantised_threshold_follows_the_gemm_it_replaces() -> None:
     assert cpu.CpuPlatform(kernels="reference").quantized_max_rows(torch.bfloat16) == 0
 
 
+def test_half_weights_take_small_steps_only_where_the_gemm_would_widen_them() -> None:
+    from services.worker.platforms import cpu
+
+    native = cpu.CpuPlatform(kernels="native")
+    assert native.half_max_rows(torch.float32) == 0
+    for dtype in (torch.bfloat16, torch.float16):
+        widened = native.matmul_pack_dtype(dtype) == torch.float32
+        assert native.half_max_rows(dtype) == (cpu.HALF_MAX_ROWS if widened else 0)
+        assert cpu.CpuPlatform(kernels="reference").half_max_rows(dtype) == 0
+
+
 def test_int4_blocks_round_to_within_half_a_step_of_their_scale() -> None:
     g = torch.Generator().manual_seed(2)
     weight = torch.randn(8, 96, generator=g)
