@@ -57,11 +57,11 @@ def _matmul(
 
     A weight packed in fp32 for a half-precision compute dtype takes the input widened (exactly) and
     rounds the fp32-accumulated result once, as a half-precision GEMM does. Inside the platform's one-row
-    scope (oneDNN off) such a layer uses its plain half-precision weight instead: ATen's GEMV reads half
-    the bytes, 1.5-2x faster for one row (docs/benchmarks.md).
+    scope (oneDNN off) a layer without a small-step kernel uses its plain weight.
 
-    A quantised layer (quantized set) runs steps of up to quantized.max_rows rows on its quantised weight;
-    larger ones take the packed weight, else the quantised one dequantised at load (quantized.dense).
+    A layer with a small-step kernel (quantized set: a quantised weight, or its half-precision weight where
+    the packed GEMM widens) runs steps of up to quantized.max_rows rows on that weight; larger ones take the
+    packed weight, else the quantised one dequantised at load (quantized.dense).
     """
     if quantized is not None:
         if quantized.applies(x.shape[0]):
@@ -230,7 +230,8 @@ def pack_linears(
 
     Unpacked, oneDNN reorders a bf16 weight on every call, which costs more than the matmul itself at
     decode batch sizes. A column or row linear packed in its compute dtype drops its plain weight, which
-    only the matmul read; one packed in fp32 keeps it for one-row matmuls, and an embedding for the lookup.
+    only the matmul read; one packed in fp32 keeps it, for its half-precision kernel's small steps (which
+    then hold it) or, without that kernel, one-row matmuls; an embedding keeps it for the lookup.
     """
     for module in modules:
         # A quantised layer packs its quantised weight dequantised: every step size computes the same model.
