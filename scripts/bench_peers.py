@@ -292,6 +292,39 @@ def plot_summary(record: dict[str, Any], path: Path) -> None:
     plt.close(fig)
 
 
+def _log_tail(path: Path, lines: int = 5) -> str:
+    """The last lines of a server's log, for a failure's report."""
+    try:
+        return " | ".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def _record(
+    args: argparse.Namespace,
+    chosen: Sequence[Workload],
+    results: dict[str, dict[str, list[dict[str, Any]]]],
+    failures: dict[str, str],
+) -> dict[str, Any]:
+    """The run's JSON record: the machine, the workloads, each server's summary (over the rounds it finished)
+    and rounds, and the servers that failed, with why."""
+    summary = {name: {w: summarize(runs) for w, runs in per.items()} for name, per in results.items()}
+    return {
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+        "commit": git_commit(ROOT),
+        "cpu": cpu_model(),
+        "cores": os.cpu_count(),
+        "dtype": args.dtype,
+        "rounds": args.rounds,
+        "workloads": {
+            w.name: {"flags": list(w.flags), "num_prompts": w.num_prompts, "concurrency": w.concurrency} for w in chosen
+        },
+        "summary": summary,
+        "runs": results,
+        "failures": failures,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -338,6 +371,10 @@ def main() -> None:
         else:
             servers.append(name)
     results: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    # A server that dies or fails a round keeps the rounds it finished and is reported here, and the run goes
+    # on to the next server: one peer's crash never costs the others' figures.
+    failures: dict[str, str] = {}
+    record = _record(args, chosen, results, failures)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         for name in servers:
@@ -348,30 +385,26 @@ def main() -> None:
             else:
                 starter = llama_server(args, logs)
             print(f"starting {name}", flush=True)
-            with starter as server:
-                results[name] = {}
-                for workload in chosen:
-                    for round_ in range(args.rounds):
-                        print(f"{name}: {workload.name} round {round_ + 1}/{args.rounds}", flush=True)
-                        data = run_bench(server, workload, 1000 + round_, model, logs / "result.json")
-                        results[name].setdefault(workload.name, []).append(data)
-    summary = {name: {w: summarize(runs) for w, runs in per.items()} for name, per in results.items()}
-    record = {
-        "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(ROOT),
-        "cpu": cpu_model(),
-        "cores": os.cpu_count(),
-        "dtype": args.dtype,
-        "rounds": args.rounds,
-        "workloads": {
-            w.name: {"flags": list(w.flags), "num_prompts": w.num_prompts, "concurrency": w.concurrency} for w in chosen
-        },
-        "summary": summary,
-        "runs": results,
-    }
+            results[name] = {}
+            try:
+                with starter as server:
+                    for workload in chosen:
+                        for round_ in range(args.rounds):
+                            print(f"{name}: {workload.name} round {round_ + 1}/{args.rounds}", flush=True)
+                            data = run_bench(server, workload, 1000 + round_, model, logs / "result.json")
+                            results[name].setdefault(workload.name, []).append(data)
+            except (subprocess.CalledProcessError, RuntimeError, OSError) as error:
+                failures[name] = f"{error}; its log ends: {_log_tail(logs / f'{name}.log')}"
+                print(f"{name} failed: {failures[name]}", flush=True)
+            # Written after every server, so a run stopped part-way keeps what it measured.
+            record = _record(args, chosen, results, failures)
+            if not args.quick:
+                args.out.write_text(json.dumps(record, indent=2) + "\n")
+    summary: dict[str, dict[str, dict[str, dict[str, float]]]] = record["summary"]
     if not args.quick:
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
         plot_summary(record, args.out.with_suffix(".png"))
+    for name, why in failures.items():
+        print(f"\n{name} failed (its figures cover the rounds it finished): {why}")
     for workload in chosen:
         print(f"\n### {workload.name} ({workload.num_prompts} requests, concurrency {workload.concurrency})\n")
         print("| server | output tok/s | mean TTFT ms | p99 TTFT ms | mean TPOT ms |")
