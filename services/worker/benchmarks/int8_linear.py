@@ -8,7 +8,7 @@ the fp32-packed weight (the bf16 path on hosts without native bf16), of oneDNN o
 off (the one-row path on the former), plus the host's copy bandwidth and what one step's weight bytes
 cost at it (the floor). Each shape is timed alone, so its weight may sit in the CPU's caches: where they
 are large, take the crossover from whole steps (`step_profile --wall-only`), which is what the CPU
-platform's QUANTIZED_MAX_ROWS and QUANTIZED_MAX_ROWS_NATIVE_HALF are set from.
+platform's SMALL_STEP_MAX_ROWS for quantised weights is set from.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ the LM head) run in sequence on distinct random weights, for each path:
            model's GGUF file holds them (--quantization gguf)
 
 Median milliseconds per step over --repeats passes, and the bytes each path reads; the row count up to
-which a path wins is what platforms/cpu.py's QUANTIZED_MAX_ROWS_* and HALF_MAX_ROWS are set from.
+which a path wins is what platforms/cpu.py's SMALL_STEP_MAX_ROWS is set from.
 """
 
 from __future__ import annotations

@@ -17,19 +17,34 @@ from services.worker.platforms.cpu_native_ops import NativeCpuOps
 from services.worker.platforms.reference_ops import ReferenceOps
 
 log = structlog.get_logger()
-# Rows up to which the native quantised kernels (int8, and GGUF's 4-bit blocks) beat the GEMM they replace,
-# measured over whole decode steps (docs/benchmarks.md): oneDNN on fp32 copies of the weights (hosts without
-# native bf16/fp16 GEMMs, and fp32 compute), or oneDNN in the half-precision dtype itself where the CPU runs
-# that natively (AMX, avx512_bf16). On the AMX Xeon a SmolLM2 step of 4 rows took 24 ms on int8 or Q4_1
-# weights against 33 ms in bf16, and of 8 rows the bf16 GEMM won.
-QUANTIZED_MAX_ROWS = 8
-QUANTIZED_MAX_ROWS_NATIVE_HALF = 4
-# Rows up to which an unquantised bf16/fp16 model's linears read their half-precision weight through the
-# native half_linear kernel where the CPU has no native half GEMM (AVX2, AVX-512 without BF16, the portable
-# build), instead of oneDNN on fp32 copies (twice the bytes) or ATen's one-row GEMV. On the Zen 3 EPYC a
-# SmolLM2 step's matmuls (benchmarks.step_matmuls) took 16-31 ms on it against 46-63 ms for 1-8 rows,
-# 80 against 83-89 ms for 16, and lost from 20 rows (109 against 85 ms); docs/benchmarks.md.
-HALF_MAX_ROWS = 16
+# The GEMM a step's bf16/fp16/fp32 matmuls run on where no small-step kernel takes them
+# (CpuPlatform.matmul_gemm): MKL for fp32 compute; for half-precision compute, oneDNN on fp32 copies of the
+# weights where the CPU has no native half GEMM (AVX2, AVX-512 without BF16), oneDNN in the half dtype itself
+# (avx512_bf16, avx512_fp16), the same on AMX tiles for bf16, or ATen's own half matmul without oneDNN.
+MKL_FP32 = "mkl-fp32"
+ONEDNN_FP32_COPIES = "onednn-fp32-copies"
+ONEDNN_HALF = "onednn-half"
+ONEDNN_HALF_AMX = "onednn-half-amx"
+ATEN_HALF = "aten-half"
+# Rows up to which a native small-step kernel beats that GEMM, keyed by the weights the kernel reads
+# ("quantized": int8 and GGUF's 4-bit blocks; "bfloat16"/"float16": an unquantised model's own weights,
+# through half_linear) and the GEMM; a pair not listed never takes the kernel. Measured over whole decode
+# steps and a step's matmuls (benchmarks.step_matmuls; docs/benchmarks.md):
+# - quantised against fp32 GEMMs: the kernels read a half or a quarter of the bytes and win up to 8 rows;
+#   against oneDNN's native bf16 (AMX Xeon) a SmolLM2 step of 4 rows took 24 ms on int8 or Q4_1 weights
+#   against 33 ms in bf16, and of 8 rows the bf16 GEMM won.
+# - half weights against fp32 copies (twice the bytes) or ATen's one-row GEMV: on the Zen 3 EPYC a SmolLM2
+#   step's matmuls took 16-31 ms on the kernel against 46-63 ms for 1-8 rows, 80 against 83-89 ms for 16,
+#   and lost from 20 rows (109 against 85 ms).
+SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
+    ("quantized", MKL_FP32): 8,
+    ("quantized", ONEDNN_FP32_COPIES): 8,
+    ("quantized", ATEN_HALF): 8,
+    ("quantized", ONEDNN_HALF): 4,
+    ("quantized", ONEDNN_HALF_AMX): 4,
+    ("bfloat16", ONEDNN_FP32_COPIES): 16,
+    ("float16", ONEDNN_FP32_COPIES): 16,
+}
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel on a chunk of this many causal query-key pairs and more (scripts/prefill_attention_bench.py
 # on the AMX Xeon: 1.9x on a 512-token prompt, 1.2x on 50 tokens after 992 cached, even at a 96-token
@@ -93,16 +108,29 @@ class CpuPlatform(Platform):
         # The native kernels read each quantised weight once per step and beat the fp32/bf16 GEMMs while a
         # step is bound by weight bytes; past the threshold oneDNN's packed GEMM wins (docs/benchmarks.md).
         # The reference ops would dequantise every call: no faster than bf16.
-        if not isinstance(self._ops, NativeCpuOps):
-            return 0
-        native_half = compute_dtype != torch.float32 and self.matmul_pack_dtype(compute_dtype) == compute_dtype
-        return QUANTIZED_MAX_ROWS_NATIVE_HALF if native_half else QUANTIZED_MAX_ROWS
+        return self._small_step_rows("quantized", compute_dtype)
 
     def half_max_rows(self, compute_dtype: torch.dtype) -> int:
-        # Only where the packed GEMM widens the weights: a native bf16/fp16 GEMM reads the half weights itself.
-        if not isinstance(self._ops, NativeCpuOps) or compute_dtype == torch.float32:
+        if compute_dtype == torch.float32:
             return 0
-        return HALF_MAX_ROWS if self.matmul_pack_dtype(compute_dtype) == torch.float32 else 0
+        return self._small_step_rows(str(compute_dtype).removeprefix("torch."), compute_dtype)
+
+    def _small_step_rows(self, weights: str, compute_dtype: torch.dtype) -> int:
+        if not isinstance(self._ops, NativeCpuOps):
+            return 0
+        return SMALL_STEP_MAX_ROWS.get((weights, self.matmul_gemm(compute_dtype)), 0)
+
+    def matmul_gemm(self, compute_dtype: torch.dtype) -> str:
+        """The GEMM compute_dtype's matmuls run on where no small-step kernel takes them (MKL_FP32, ...)."""
+        if compute_dtype == torch.float32:
+            return MKL_FP32
+        pack_dtype = self.matmul_pack_dtype(compute_dtype)
+        if pack_dtype is None:
+            return ATEN_HALF
+        if pack_dtype == torch.float32:
+            return ONEDNN_FP32_COPIES
+        amx = compute_dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+        return ONEDNN_HALF_AMX if amx else ONEDNN_HALF
 
     def matmul_pack_dtype(self, compute_dtype: torch.dtype) -> torch.dtype | None:
         # fp32 matmuls go to MKL. bf16/fp16 ones go to oneDNN: in their own dtype where it runs them natively

@@ -151,14 +151,33 @@ def test_the_quantised_threshold_follows_the_gemm_it_replaces() -> None:
     from services.worker.platforms import cpu
 
     native = cpu.CpuPlatform(kernels="native")
-    # fp32 matmuls run on MKL (or on fp32 copies in oneDNN): the kernels win up to QUANTIZED_MAX_ROWS rows.
-    assert native.quantized_max_rows(torch.float32) == cpu.QUANTIZED_MAX_ROWS
+    # fp32 matmuls run on MKL: the kernels win up to 8 rows.
+    assert native.matmul_gemm(torch.float32) == cpu.MKL_FP32
+    assert native.quantized_max_rows(torch.float32) == 8
     # bf16 runs in oneDNN's own bf16 GEMM where the CPU has one (AMX, avx512_bf16), which the quantised
     # kernels beat up to 4 rows; elsewhere on fp32 copies, like fp32.
     bf16_native = native.matmul_pack_dtype(torch.bfloat16) == torch.bfloat16
-    expected = cpu.QUANTIZED_MAX_ROWS_NATIVE_HALF if bf16_native else cpu.QUANTIZED_MAX_ROWS
-    assert native.quantized_max_rows(torch.bfloat16) == expected
+    assert native.matmul_gemm(torch.bfloat16) in (
+        (cpu.ONEDNN_HALF, cpu.ONEDNN_HALF_AMX) if bf16_native else (cpu.ONEDNN_FP32_COPIES,)
+    )
+    assert native.quantized_max_rows(torch.bfloat16) == (4 if bf16_native else 8)
     assert cpu.CpuPlatform(kernels="reference").quantized_max_rows(torch.bfloat16) == 0
+
+
+def test_the_gemm_class_names_amx_only_where_the_cpu_has_tiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.worker.platforms import cpu
+
+    native = cpu.CpuPlatform(kernels="native")
+    monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: dtype)
+    for amx in (True, False):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert native.matmul_gemm(torch.bfloat16) == (cpu.ONEDNN_HALF_AMX if amx else cpu.ONEDNN_HALF)
+        assert native.matmul_gemm(torch.float16) == cpu.ONEDNN_HALF
+    monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: torch.float32)
+    assert native.matmul_gemm(torch.bfloat16) == cpu.ONEDNN_FP32_COPIES
+    monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: None)
+    assert native.matmul_gemm(torch.bfloat16) == cpu.ATEN_HALF
+    assert native.quantized_max_rows(torch.bfloat16) == 8 and native.half_max_rows(torch.bfloat16) == 0
 
 
 def test_half_weights_take_small_steps_only_where_the_gemm_would_widen_them() -> None:
@@ -168,7 +187,7 @@ def test_half_weights_take_small_steps_only_where_the_gemm_would_widen_them() ->
     assert native.half_max_rows(torch.float32) == 0
     for dtype in (torch.bfloat16, torch.float16):
         widened = native.matmul_pack_dtype(dtype) == torch.float32
-        assert native.half_max_rows(dtype) == (cpu.HALF_MAX_ROWS if widened else 0)
+        assert native.half_max_rows(dtype) == (16 if widened else 0)
         assert cpu.CpuPlatform(kernels="reference").half_max_rows(dtype) == 0
 
 
