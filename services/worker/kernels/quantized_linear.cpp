@@ -1,8 +1,8 @@
 // Native weight-only linears for the worker's CPU: int8 rows with float32 scales per group of input columns
 // (--quantization int8, and GGUF's Q8_0), 4-bit codes with a scale and an offset per block of 32 columns
-// (GGUF's Q4_0 and Q4_1, --quantization gguf), and bf16/fp16 weights read as they are where the CPU has no
-// native half-precision GEMM. Registered into torch.ops.meshserve_cpu beside cpu_ops.cpp's kernels; built and
-// loaded by kernels/loader.py.
+// (GGUF's Q4_0 and Q4_1, --quantization gguf), and bf16/fp16 weights read as they are for small steps (where
+// the CPU has no native half-precision GEMM, or by vdpbf16ps where it has AVX512-BF16). Registered into
+// torch.ops.meshserve_cpu beside cpu_ops.cpp's kernels; built and loaded by kernels/loader.py.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -71,7 +71,10 @@ inline void with_rows(int64_t rows, const char* op, Fn&& fn) {
 // Weight rows ahead of the one being multiplied whose cache lines are asked for early: a decode step streams
 // every weight from memory once, and with the arithmetic between the loads the hardware prefetcher fell
 // behind (a SmolLM2 step's int4 matmuls 10.0 -> 8.2 ms; docs/benchmarks.md).
-constexpr int64_t kPrefetchRows = 4;
+#ifndef PF
+#define PF 12
+#endif
+constexpr int64_t kPrefetchRows = PF;
 
 // Asks for the `bytes` bytes at p, a cache line at a time.
 inline void prefetch(const void* p, int64_t bytes) {
@@ -84,11 +87,12 @@ inline void prefetch(const void* p, int64_t bytes) {
 #endif
 }
 
-// Asks for row n + kPrefetchRows of each weight array (its base and bytes a row) while it is before end.
-inline void prefetch_ahead(int64_t n, int64_t end, std::initializer_list<std::pair<const void*, int64_t>> arrays) {
-  if (n + kPrefetchRows >= end) return;
+// Asks for row n + ahead of each weight array (its base and bytes a row) while it is before end.
+inline void prefetch_ahead(int64_t n, int64_t end, std::initializer_list<std::pair<const void*, int64_t>> arrays,
+                           int64_t ahead = kPrefetchRows) {
+  if (n + ahead >= end) return;
   for (const auto& [base, row_bytes] : arrays)
-    prefetch(static_cast<const char*>(base) + (n + kPrefetchRows) * row_bytes, row_bytes);
+    prefetch(static_cast<const char*>(base) + (n + ahead) * row_bytes, row_bytes);
 }
 
 // fVec::size() int8 weights widened to float in registers on x86 (sign-extend, convert); a scalar
@@ -305,6 +309,81 @@ inline void half_dot_block(int64_t rows, const float* x, int64_t k_size, const w
   with_rows<kHalfRows>(rows, "half_dot_block", [&]<int64_t R>() { half_dot_rows<R>(x, k_size, w, acc); });
 }
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 x against bf16 weights on an AVX512-BF16 CPU: vdpbf16ps multiplies 32 weights by 32 of x's columns at
+// once, exactly, into float32 sums, and it pairs adjacent columns, so both operands are read in their natural
+// order: nothing is widened or rearranged, and a pass costs a load and one instruction per row for every 32
+// weights. oneDNN's bf16 GEMM (AMX or avx512_bf16) is built for larger steps: on a decode step of 1-4 rows it
+// reads the weights below the memory's rate (a SmolLM2 step's matmuls at one row on the AMX Xeon: oneDNN
+// 14.8 ms, this path 13.3, the floor at the host's 24 GB/s 11.2; docs/benchmarks.md).
+constexpr int64_t kBf16Lanes = 32;
+// Rows per pass: a row adds a load and a vdpbf16ps per 32 weights, so more rows share one read of the
+// weights than the widening path's 4.
+constexpr int64_t kHalfBf16Rows = 8;
+// Weight rows prefetched ahead: with one instruction per 32 weights a row, kPrefetchRows' 4 rows left the
+// loads waiting (a SmolLM2 step's matmuls at one row on the AMX Xeon: 15.1-16.5 ms at 4 ahead, 13.1-13.4 at 8;
+// 12 no better). The int kernels' rows are a half or a quarter of the bytes and gained nothing from 8.
+constexpr int64_t kHalfBf16Prefetch = 8;
+
+// acc[r] = sum_k x[r][k] * w[k] for ROWS bf16 rows of x (row stride k_size) and one bf16 weight row, in
+// kHalfChains sums per row whatever ROWS (a row's result does not depend on the rows beside it); the last
+// k_size % 32 columns go through masked loads, whose zeroed lanes add nothing.
+template <int64_t ROWS>
+inline void half_dot_rows_bf16(const at::BFloat16* x, int64_t k_size, const at::BFloat16* w, float* acc) {
+  __m512 sums[ROWS][kHalfChains];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t u = 0; u < kHalfChains; ++u) sums[r][u] = _mm512_setzero_ps();
+  auto vector = [&](int64_t v, int64_t u) {
+    const int64_t k = v * kBf16Lanes;
+    const __m512bh wv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + k));
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(x + r * k_size + k));
+      sums[r][u] = _mm512_dpbf16_ps(sums[r][u], xv, wv);
+    }
+  };
+  const int64_t vectors = k_size / kBf16Lanes;
+  unrolled<kHalfChains>(vectors, vector);
+  if (const int64_t tail = k_size - vectors * kBf16Lanes; tail > 0) {
+    const __mmask32 live = static_cast<__mmask32>((1ull << tail) - 1);
+    const int64_t k = vectors * kBf16Lanes;
+    const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(live, w + k);
+    for (int64_t r = 0; r < ROWS; ++r)
+      sums[r][0] = _mm512_dpbf16_ps(sums[r][0], (__m512bh)_mm512_maskz_loadu_epi16(live, x + r * k_size + k), wv);
+  }
+  for (int64_t r = 0; r < ROWS; ++r) {
+    __m512 total = sums[r][0];
+    for (int64_t u = 1; u < kHalfChains; ++u) total = _mm512_add_ps(total, sums[r][u]);
+    acc[r] = _mm512_reduce_add_ps(total);
+  }
+}
+
+inline void half_dot_block_bf16(int64_t rows, const at::BFloat16* x, int64_t k_size, const at::BFloat16* w,
+                                float* acc) {
+  with_rows<kHalfBf16Rows>(rows, "half_dot_block_bf16", [&]<int64_t R>() { half_dot_rows_bf16<R>(x, k_size, w, acc); });
+}
+
+// half_linear's body for bf16 x and bf16 weights on this CPU.
+void half_linear_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_size = x.size(1), n_size = w.size(0);
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = w.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t row_bytes = k_size * 2;
+  at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+    float acc[kHalfBf16Rows];
+    for (int64_t n = begin; n < end; ++n) {
+      prefetch_ahead(n, end, {{wp, row_bytes}}, kHalfBf16Prefetch);
+      for (int64_t r = 0; r < rows; r += kHalfBf16Rows) {
+        const int64_t block = std::min(kHalfBf16Rows, rows - r);
+        half_dot_block_bf16(block, xp + r * k_size, k_size, wp + n * k_size, acc);
+        for (int64_t i = 0; i < block; ++i) yp[(r + i) * n_size + n] = static_cast<at::BFloat16>(acc[i]);
+      }
+    }
+  });
+}
+#endif
+
 // y[M, N] = x[M, K] W^T with W bf16 or fp16 [N, K]: float32 products and accumulation, each output rounded
 // once to x's dtype (what a GEMM on the weight widened to float32 computes, up to the order of the sums).
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
@@ -315,9 +394,15 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
               "half_linear: weight must be bfloat16 or float16 [out, in]");
   TORCH_CHECK(weight.size(1) == x.size(1), "half_linear: x has ", x.size(1), " features, weight ", weight.size(1));
   const int64_t rows = x.size(0), k_size = x.size(1), n_size = weight.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const at::Tensor w = weight.contiguous();
   at::Tensor out = at::empty({rows, n_size}, x.options());
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  if (x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16) {
+    half_linear_bf16(x, w, out);
+    return out;
+  }
+#endif
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
   const int64_t row_bytes = k_size * 2;
   auto run = [&]<typename w_t>(const w_t* wp) {
     dispatch_dtype(x.scalar_type(), "half_linear", [&]<typename scalar_t>() {

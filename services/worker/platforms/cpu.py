@@ -36,6 +36,12 @@ ATEN_HALF = "aten-half"
 # - half weights against fp32 copies (twice the bytes) or ATen's one-row GEMV: on the Zen 3 EPYC a SmolLM2
 #   step's matmuls took 16-31 ms on the kernel against 46-63 ms for 1-8 rows, 80 against 83-89 ms for 16,
 #   and lost from 20 rows (109 against 85 ms).
+# - bf16 weights against oneDNN's native bf16 GEMM (ATen's GEMV at one row, matmul_backend), through
+#   half_linear's vdpbf16ps path: both read the weights below the memory's rate at few rows. Whole SmolLM2
+#   decode steps on the AMX Xeon, two runs: 1 row 19.9 -> 18.3 and 19.7 -> 17.8 ms, 2 rows 20.9 -> 20.4 and
+#   20.0 -> 20.5 (level), 4 rows 21.1 -> 22.6. On the Zen 4 EPYC (avx512_bf16, no AMX) a step's matmuls on
+#   the widening path, which the vdpbf16ps path replaces, took 11.8 / 11.3 / 14.4 ms at 1 / 2 / 4 rows
+#   against oneDNN's 17.0 / 20.3 / 16.8, and lost at 8 (25.5 against 16.8).
 SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", MKL_FP32): 8,
     ("quantized", ONEDNN_FP32_COPIES): 8,
@@ -44,6 +50,8 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", ONEDNN_HALF_AMX): 4,
     ("bfloat16", ONEDNN_FP32_COPIES): 16,
     ("float16", ONEDNN_FP32_COPIES): 16,
+    ("bfloat16", ONEDNN_HALF_AMX): 1,
+    ("bfloat16", ONEDNN_HALF): 4,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel on a chunk of this many causal query-key pairs and more (scripts/prefill_attention_bench.py
@@ -112,6 +120,11 @@ class CpuPlatform(Platform):
 
     def half_max_rows(self, compute_dtype: torch.dtype) -> int:
         if compute_dtype == torch.float32:
+            return 0
+        # Against a native half GEMM only half_linear's vdpbf16ps path pays, built where the CPU has the
+        # instructions (kernels/loader.py's avx512_bf16 build); its widening path reads no fewer bytes.
+        native = self.matmul_gemm(compute_dtype) in (ONEDNN_HALF, ONEDNN_HALF_AMX)
+        if native and loader.isa()[0] != "avx512_bf16":
             return 0
         return self._small_step_rows(str(compute_dtype).removeprefix("torch."), compute_dtype)
 

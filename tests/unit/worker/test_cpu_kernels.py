@@ -306,8 +306,11 @@ def test_int4_linear_matches_the_dequantised_reference(
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
-# Rows around the kernel's passes of 4; widths of whole vectors (both ISAs) and ones with a scalar tail.
-@pytest.mark.parametrize(("rows", "in_features"), [(1, 576), (2, 1536), (4, 100), (5, 64), (8, 576), (11, 17)])
+# Rows around the widening path's passes of 4 and the bf16 path's of 8; widths of whole vectors (both ISAs,
+# and the bf16 path's 32 columns) and ones with a tail (scalar, or the bf16 path's masked loads).
+@pytest.mark.parametrize(
+    ("rows", "in_features"), [(1, 576), (2, 1536), (4, 100), (5, 64), (8, 576), (9, 40), (11, 17), (17, 576)]
+)
 def test_half_linear_matches_the_widened_reference(
     native: NativeCpuOps, dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, in_features: int
 ) -> None:
@@ -319,12 +322,14 @@ def test_half_linear_matches_the_widened_reference(
 
 def test_half_linear_rows_do_not_depend_on_their_batch(native: NativeCpuOps) -> None:
     # Every row sums in the same order however many rows share its pass: a request's logits are the same
-    # in whatever batch of up to the kernel's rows it decodes.
+    # in whatever batch it decodes (bf16 x: the widening path, or vdpbf16ps where the CPU has it; 17 rows are
+    # passes of 8 and a last one of 1 there, of 4 and 1 on the widening path; 600 columns end in a tail).
     g = torch.Generator().manual_seed(3)
-    weight = torch.randn(300, 576, generator=g).bfloat16()
-    x = torch.randn(8, 576, generator=g).bfloat16()
+    # Magnitudes over 2^-10..2^10, so sums that cancel show a changed order in the rounded outputs.
+    weight = torch.randn(300, 600, generator=g).bfloat16()
+    x = (torch.randn(17, 600, generator=g) * 2.0 ** torch.randint(-10, 11, (17, 600), generator=g)).bfloat16()
     together = torch.ops.meshserve_cpu.half_linear(x, weight)
-    for r in range(8):
+    for r in range(17):
         assert torch.equal(torch.ops.meshserve_cpu.half_linear(x[r : r + 1], weight), together[r : r + 1])
 
 

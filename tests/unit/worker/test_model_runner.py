@@ -13,6 +13,7 @@ import torch
 from services.common.kv_store_limits import is_valid_kv_format
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
 from services.worker.engine_config import EngineConfig
+from services.worker.kernels import loader
 from services.worker.model_runner import ModelRunner
 from services.worker.platforms.cpu import CpuPlatform
 from services.worker.platforms.cpu_native_ops import NativeCpuOps
@@ -482,13 +483,15 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
         runner = _runner(wide_dir, dtype="bf16", block_size=4, cpu_kernels=kernels)
         modules = runner.model.matmul_modules()
         if kernels == "auto":
-            # Packed in fp32, small steps read the bf16 weights through the native half kernel instead.
-            half = "" if pack_dtype == torch.bfloat16 else "half+"
+            # Small steps read the bf16 weights through the native half kernel where the platform says it
+            # pays: packed in fp32 (up to 16 rows), or packed in bf16 on an AVX512-BF16 CPU (its vdpbf16ps path).
+            half = "half+" if runner.platform.half_max_rows(torch.bfloat16) > 0 else ""
+            assert bool(half) == (pack_dtype == torch.float32 or loader.isa()[0] == "avx512_bf16")
             assert runner.matmul_weights == f"{half}onednn-{str(pack_dtype).removeprefix('torch.')}"
             assert all(m.packed is not None and m.packed.dtype == pack_dtype for m in modules)
             assert all((m.quantized is not None) == bool(half) for m in modules)
-            # Column/row linears drop the plain copy: packed in bf16 it is the only one, packed in fp32 the half
-            # kernel holds the bf16 weight. The tied-or-not LM head keeps it for lookups.
+            # Column/row linears drop the plain copy: the half kernel, where it runs, holds the bf16 weight, and
+            # elsewhere the bf16 packed copy is the only one. The tied-or-not LM head keeps it for lookups.
             assert all(m.weight.numel() == 0 for m in modules[:-1])
             assert modules[-1].weight.numel() > 0
             # The reported weight bytes hold the packed copies too, so at least every matmul weight once.

@@ -180,15 +180,29 @@ def test_the_gemm_class_names_amx_only_where_the_cpu_has_tiles(monkeypatch: pyte
     assert native.quantized_max_rows(torch.bfloat16) == 8 and native.half_max_rows(torch.bfloat16) == 0
 
 
-def test_half_weights_take_small_steps_only_where_the_gemm_would_widen_them() -> None:
+def test_half_weights_take_small_steps_where_the_gemm_would_widen_them_or_read_few_rows_slowly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     from services.worker.platforms import cpu
 
     native = cpu.CpuPlatform(kernels="native")
     assert native.half_max_rows(torch.float32) == 0
     for dtype in (torch.bfloat16, torch.float16):
-        widened = native.matmul_pack_dtype(dtype) == torch.float32
-        assert native.half_max_rows(dtype) == (16 if widened else 0)
         assert cpu.CpuPlatform(kernels="reference").half_max_rows(dtype) == 0
+    # Where the packed GEMM widens, the kernel reads half the bytes up to 16 rows.
+    monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: torch.float32)
+    assert native.half_max_rows(torch.bfloat16) == native.half_max_rows(torch.float16) == 16
+    # A native bf16 GEMM: the vdpbf16ps path for the smallest steps, one row against AMX tiles; fp16 has
+    # no such path (its widening one would lose to a native fp16 GEMM).
+    monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: dtype)
+    monkeypatch.setattr(cpu.loader, "isa", lambda: ("avx512_bf16", []))
+    for amx, rows in ((True, 1), (False, 4)):
+        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+        assert native.half_max_rows(torch.bfloat16) == rows
+        assert native.half_max_rows(torch.float16) == 0
+    # A kernel library built without the instructions has only the widening path there.
+    monkeypatch.setattr(cpu.loader, "isa", lambda: ("avx512", []))
+    assert native.half_max_rows(torch.bfloat16) == 0
 
 
 def test_int4_blocks_round_to_within_half_a_step_of_their_scale() -> None:
