@@ -89,6 +89,8 @@ class AttachClient:
         self.security = security
         self.hello = hello
         self.executor = executor
+        # Decided once: a runtime-checkable Protocol's isinstance walks its members, too slow for every step.
+        self._pipelined: PipelinedExecutor | None = executor if isinstance(executor, PipelinedExecutor) else None
         self.on_attached = on_attached
         self.reconnect_interval = reconnect_interval
         self.hung_step_timeout = hung_step_timeout
@@ -158,7 +160,7 @@ class AttachClient:
         """Queue the step on the model thread at once: with async scheduling the next Step arrives while
         one runs, and the thread starts it the moment the current one ends, without waiting for this loop."""
         future: asyncio.Future[worker_pb2.StepResult]
-        if isinstance(self.executor, PipelinedExecutor):
+        if self._pipelined is not None:
             future = asyncio.ensure_future(self._run_launched(step))
         else:
             # In a copy of this context, so the model thread's log lines carry the worker's bound fields.
@@ -179,11 +181,11 @@ class AttachClient:
 
     def _launch(self, step: worker_pb2.Step) -> Future[worker_pb2.StepResult]:
         """Run on the model thread: the step's stage-0 part."""
-        assert isinstance(self.executor, PipelinedExecutor)
+        assert self._pipelined is not None
         self._model_thread_id = threading.get_ident()
         self._running = (step.step_id, time.monotonic())
         try:
-            return self.executor.launch(step)
+            return self._pipelined.launch(step)
         finally:
             self._running = None
 
