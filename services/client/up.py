@@ -24,7 +24,7 @@ from services.kvstore.settings import DEFAULT_PORT as KV_STORE_PORT
 from services.scheduler.settings import DEFAULT_PORT as SCHEDULER_PORT
 from services.scheduler.settings import SchedulerSettings
 from services.scheduler.speculation import SpeculativeConfig
-from services.worker.engine_config import QUANTIZATIONS
+from services.worker.engine_config import LOAD_FORMATS, QUANTIZATIONS
 from services.worker.settings import DEFAULT_PORT as WORKER_PORT
 
 # The gateway's OpenAI-compatible HTTP front, on vLLM's default port.
@@ -79,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=QUANTIZATIONS,
         help="weight-only quantisation of every worker's linears (int8: half of bf16's bytes per decode step; "
         "gguf: a .gguf model's own 4- and 8-bit blocks, the embedded model's Q4_1 file without MODEL)",
+    )
+    parser.add_argument(
+        "--load-format",
+        default=None,
+        choices=LOAD_FORMATS,
+        help="dummy: every worker runs random weights of the model's shape (only config.json needed)",
     )
     parser.add_argument(
         "-tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=None, help="ranks per stage"
@@ -218,6 +224,7 @@ def worker_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--dtype", ns.dtype),
         *_optional("--precision", ns.precision),
         *_optional("--quantization", ns.quantization),
+        *_optional("--load-format", ns.load_format),
         *_optional("--tensor-parallel-size", ns.tensor_parallel_size),
         *_optional("--pipeline-parallel-size", ns.pipeline_parallel_size),
         *_optional("--gpu-memory-utilization", ns.gpu_memory_utilization),

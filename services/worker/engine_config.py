@@ -17,6 +17,9 @@ CPU_KERNELS = ("auto", "native", "reference")
 # .gguf file's own Q4_0/Q4_1/Q8_0 blocks (gguf_weights.py); unset keeps the weights' dtype.
 QUANTIZATIONS = ("int8", "gguf")
 DEFAULT_BLOCK_SIZE = 16
+# --load-format values (vLLM's): auto reads the checkpoint's weights; dummy fills every parameter with small
+# random values and needs only config.json, for benchmarking a model's shape without its weights.
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ class EngineConfig:
     quantization: str | None = None
     # The kvstore every rank loads blocks from and saves blocks to (None: no kvstore).
     kv_store: KVStoreConnection | None = None
+    # Where the weights come from (LOAD_FORMATS): the checkpoint, or random values of the config's shapes.
+    load_format: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.model_path:
@@ -94,6 +99,13 @@ class EngineConfig:
             raise ValueError(
                 f"--quantization gguf serves a .gguf file's quantised blocks, but --model {self.model_path} is not a "
                 ".gguf file; pass one, or use --quantization int8 for a Hugging Face directory"
+            )
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {list(LOAD_FORMATS)}, got {self.load_format!r}")
+        if self.load_format == "dummy" and self.quantization == "gguf":
+            raise ValueError(
+                "--load-format dummy makes random weights, but --quantization gguf serves a file's own blocks; drop "
+                "one of them"
             )
         if self.block_size is not None and self.block_size < 1:
             raise ValueError(f"--block-size must be >= 1, got {self.block_size}")

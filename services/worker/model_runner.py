@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import time
@@ -43,6 +44,7 @@ from services.worker.sampler import Sampled, Sampler, SampleRequest
 from services.worker.startup_error import StartupError
 from services.worker.weights import (
     ModelSource,
+    fill_dummy_weights,
     iter_weights,
     kv_format,
     load_hf_config,
@@ -130,7 +132,10 @@ class ModelRunner:
         self.precision = config.resolve_precision(self.platform.default_precision)
         self.block_size: int = config.resolve_block_size(self.platform.name, self.platform.required_block_size)
 
-        source = resolve_model_path(config.model_path)
+        dummy = config.load_format == "dummy"
+        source = resolve_model_path(config.model_path, need_weights=not dummy)
+        if dummy:
+            source = dataclasses.replace(source, dummy_seed=config.seed)
         hf_config = load_hf_config(source)
         arch = LlamaArch.from_hf_config(hf_config)
         check_tp_size(arch, config.tensor_parallel_size)
@@ -338,7 +343,10 @@ class ModelRunner:
             model = LlamaForCausalLM(hf_config, self.platform.ops, max_model_len, self.precision, self.tp, self.stage)
         model = model.to(self.precision.weights).to_empty(device=self.device)
         model.to_device(self.device)
-        model.load_weights(iter_weights(source))
+        if source.dummy_seed is not None:
+            fill_dummy_weights(model, source.dummy_seed)
+        else:
+            model.load_weights(iter_weights(source))
         quantization = self.config.quantization
         if quantization is not None:
             # Before packing, which may drop the plain weights the quantised copies are made from.

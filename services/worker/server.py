@@ -62,6 +62,7 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
         seed=settings.seed,
         cpu_kernels=settings.cpu_kernels,
         quantization=settings.quantization,
+        load_format=settings.load_format,
         kv_store=(
             None
             if settings.kv_store is None

@@ -83,6 +83,11 @@ class WorkerSettings(ServiceSettings):
         "(half of bf16's bytes for the bandwidth-bound decode); gguf serves a .gguf --model's own Q4_0, Q4_1 "
         "and Q8_0 blocks (a quarter to a half); CPU with native kernels",
     )
+    load_format: Literal["auto", "dummy"] = Field(
+        "auto",
+        description="where the weights come from: auto reads the model's files; dummy fills every parameter with "
+        "small random values and needs only its config.json (to benchmark a model's shape without its weights)",
+    )
     cpu_binding: Literal["auto", "off"] = Field(
         "auto", description="pin each rank to its device's NUMA-local CPUs (npu-smi topo, else sysfs)"
     )

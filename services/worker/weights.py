@@ -20,6 +20,8 @@ class ModelSource:
 
     directory: Path
     gguf_file: str | None = None
+    # --load-format dummy: random weights drawn from this seed stand in for the files (None: the files).
+    dummy_seed: int | None = None
 
     @property
     def name(self) -> str:
@@ -29,14 +31,17 @@ class ModelSource:
         return self.directory.name
 
     def weight_files(self) -> list[Path]:
-        """The files that hold the weights, in load order."""
+        """The files that hold the weights, in load order (none for dummy weights)."""
+        if self.dummy_seed is not None:
+            return []
         if self.gguf_file is not None:
             return [self.directory / self.gguf_file]
         return sorted(self.directory.glob("*.safetensors"))
 
 
-def resolve_model_path(model_path: str | Path) -> ModelSource:
-    """Turn --model into a ModelSource, with errors that say what was expected."""
+def resolve_model_path(model_path: str | Path, *, need_weights: bool = True) -> ModelSource:
+    """Turn --model into a ModelSource, with errors that say what was expected; a directory without weights
+    passes when need_weights is False (--load-format dummy reads only its config.json)."""
     path = Path(model_path).expanduser()
     if path.is_file():
         if path.suffix != ".gguf":
@@ -45,8 +50,10 @@ def resolve_model_path(model_path: str | Path) -> ModelSource:
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ValueError(f"--model {path} has no config.json; is it a Hugging Face model directory?")
-        if not any(path.glob("*.safetensors")):
-            raise ValueError(f"--model {path} has no *.safetensors weights")
+        if need_weights and not any(path.glob("*.safetensors")):
+            raise ValueError(
+                f"--model {path} has no *.safetensors weights (--load-format dummy runs on random weights)"
+            )
         return ModelSource(directory=path.resolve())
     raise ValueError(f"--model {path} does not exist")
 
@@ -78,10 +85,31 @@ def iter_weights(source: ModelSource) -> Iterator[tuple[str, torch.Tensor]]:
                 yield key, handle.get_tensor(key)
 
 
+# vLLM's range for --load-format dummy: small enough that activations stay finite through any depth in bf16.
+DUMMY_WEIGHT_RANGE = 1e-3
+
+
+def fill_dummy_weights(model: torch.nn.Module, seed: int) -> None:
+    """--load-format dummy: every parameter uniform in +-DUMMY_WEIGHT_RANGE, the same on every run
+    (each rank draws its own shard)."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point():
+                param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=generator)
+
+
 def _identity_fields(source: ModelSource) -> dict[str, Any]:
     config_path = source.directory / "config.json"
     config_text = config_path.read_text() if source.gguf_file is None and config_path.is_file() else ""
-    return {"config": config_text, "weights": [[f.name, f.stat().st_size] for f in source.weight_files()]}
+    fields: dict[str, Any] = {
+        "config": config_text,
+        "weights": [[f.name, f.stat().st_size] for f in source.weight_files()],
+    }
+    if source.dummy_seed is not None:
+        # Random weights are another model than the checkpoint's: no worker or kvstore block mixes the two.
+        fields["dummy_seed"] = source.dummy_seed
+    return fields
 
 
 def _digest(fields: dict[str, Any]) -> str:

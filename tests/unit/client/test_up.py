@@ -71,6 +71,8 @@ def test_engine_flags_reach_every_service_that_uses_them() -> None:
         "7",
         "-q",
         "int8",
+        "--load-format",
+        "dummy",
         "--served-model-name",
         "smol",
         "alias",
@@ -92,6 +94,7 @@ def test_engine_flags_reach_every_service_that_uses_them() -> None:
         (worker, "--block-size", "32"),
         (worker, "--seed", "7"),
         (worker, "--quantization", "int8"),
+        (worker, "--load-format", "dummy"),
     ):
         assert flags[flags.index(flag) + 1] == value, (flag, flags)
     assert gateway[gateway.index("--served-model-name") + 1 :][:2] == ["smol", "alias"]

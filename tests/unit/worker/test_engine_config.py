@@ -72,6 +72,8 @@ def test_block_size_follows_the_platform() -> None:
         ({"max_num_seqs": 0}, "--max-num-seqs"),
         ({"seed": -1}, "--seed"),
         ({"model_path": ""}, "--model"),
+        ({"load_format": "pt"}, "--load-format"),
+        ({"load_format": "dummy", "quantization": "gguf", "model_path": "m.gguf"}, "--load-format dummy"),
     ],
 )
 def test_invalid_values_name_the_flag(kwargs: dict[str, object], flag: str) -> None:

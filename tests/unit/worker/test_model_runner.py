@@ -561,3 +561,23 @@ def test_a_grammar_that_fails_fails_its_request_alone(llama_dir: Path) -> None:
     del driver.reqs["bad"]
     driver.run()
     assert good.outputs == transformers_greedy(llama_dir, PROMPTS[1], 4)
+
+
+def test_dummy_weights_serve_a_shape_without_files(tmp_path: Path) -> None:
+    """--load-format dummy: a directory with only a config (and tokenizer) serves; the same seed is the same
+    model, so greedy continuations repeat."""
+    from services.worker.benchmarks.shaped_model import write_shaped_model
+
+    model_dir = write_shaped_model("tiny", tmp_path / "tiny")
+    assert not list(model_dir.glob("*.safetensors"))
+    with pytest.raises(ValueError, match="--load-format dummy"):
+        _runner(model_dir)
+    outputs = []
+    for _ in range(2):
+        runner = _runner(model_dir, load_format="dummy", dtype="bfloat16")
+        driver = Driver(runner)
+        req = driver.add(Req("r", PROMPTS[3], 6))
+        driver.run()
+        outputs.append(req.outputs)
+        runner.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6

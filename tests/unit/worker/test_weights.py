@@ -14,7 +14,9 @@ from services.worker.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from services.worker.platforms import get_platform
 from services.worker.precision import parse_precision
 from services.worker.weights import (
+    DUMMY_WEIGHT_RANGE,
     ModelSource,
+    fill_dummy_weights,
     iter_weights,
     kv_format,
     load_hf_config,
@@ -35,8 +37,10 @@ def test_resolve_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"no config\.json"):
         resolve_model_path(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ValueError, match=r"no \*\.safetensors"):
+    with pytest.raises(ValueError, match=r"no \*\.safetensors weights \(--load-format dummy"):
         resolve_model_path(tmp_path)
+    # --load-format dummy reads the config alone.
+    assert resolve_model_path(tmp_path, need_weights=False).directory == tmp_path.resolve()
     weird = tmp_path / "model.bin"
     weird.write_bytes(b"x")
     with pytest.raises(ValueError, match=r"not a \.gguf"):
@@ -114,3 +118,37 @@ def test_sharded_safetensors_load_identically(tiny_dir: Path, tmp_path: Path) ->
     many = dict(iter_weights(resolve_model_path(sharded)))
     assert one.keys() == many.keys()
     assert all(torch.equal(one[k], many[k]) for k in one)
+
+
+def test_dummy_weights_are_another_model(tiny_dir: Path) -> None:
+    """Random weights never share an identity (so a worker or a kvstore block) with the checkpoint's, and two
+    seeds are two models."""
+    source = resolve_model_path(tiny_dir)
+    dummy = ModelSource(source.directory, dummy_seed=0)
+    assert dummy.weight_files() == []
+    identities = {model_identity(source), model_identity(dummy), model_identity(ModelSource(source.directory, None, 1))}
+    assert len(identities) == 3
+    assert model_identity(dummy) == model_identity(ModelSource(source.directory, dummy_seed=0))
+
+
+def test_fill_dummy_weights_is_small_seeded_and_complete(tiny_dir: Path) -> None:
+    platform = get_platform("cpu", cpu_kernels="reference")
+    precision = parse_precision("fp32-fp32-fp32", platform_default="fp32-fp32-fp32")
+    config = load_hf_config(resolve_model_path(tiny_dir))
+
+    def filled(seed: int) -> dict[str, torch.Tensor]:
+        with torch.device("meta"):
+            model = LlamaForCausalLM(config, platform.ops, 64, precision)
+        model = model.to_empty(device="cpu")
+        for param in model.parameters():
+            param.data.fill_(float("nan"))
+        fill_dummy_weights(model, seed)
+        return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+    first = filled(0)
+    for name, tensor in first.items():
+        assert tensor.isfinite().all(), name
+        assert tensor.abs().max() <= DUMMY_WEIGHT_RANGE, name
+        assert tensor.std() > 0, name
+    assert all(torch.equal(first[n], t) for n, t in filled(0).items())
+    assert not torch.equal(first["model.embed_tokens.weight"], filled(1)["model.embed_tokens.weight"])
