@@ -357,19 +357,21 @@ class ModelRunner:
                     "the CPU with the native kernels: leave --cpu-kernels at auto or native); drop --quantization"
                 )
             if quantization == "int8":
-                quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_linear, max_rows)
+                quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_kernel, max_rows)
             else:
                 self._attach_gguf_blocks(model, hf_config, source, max_rows)
         elif (half_rows := self.platform.half_max_rows(self.precision.compute)) > 0:
             # No native half GEMM here: small steps read the bf16/fp16 weights, not the fp32 copies packed below.
             ops = self.platform.ops
-            attach_half_weights(model.matmul_modules(), self.precision.compute, ops.quantized_linear, half_rows)
+            attach_half_weights(model.matmul_modules(), self.precision.compute, ops.quantized_kernel, half_rows)
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.
             batch_hint = min(self.config.max_num_seqs, 64)
             pack_linears(model.matmul_modules(), self.precision.compute, pack_dtype, batch_hint)
         release_quantized_weights(model.matmul_modules(), self.precision.compute)
+        # The weights are final: every step runs the layers' bound forms from here on.
+        model.bind()
         return model.eval()
 
     def _attach_gguf_blocks(self, model: LlamaForCausalLM, hf_config: Any, source: ModelSource, max_rows: int) -> None:
@@ -382,7 +384,7 @@ class ModelRunner:
         )
         try:
             model.load_quantized_weights(found.quantized.items())
-            attached = attach_quantized(model.matmul_modules(), self.platform.ops.quantized_linear, max_rows)
+            attached = attach_quantized(model.matmul_modules(), self.platform.ops.quantized_kernel, max_rows)
         except ValueError as err:
             raise StartupError(f"--quantization gguf: {err}; drop --quantization to serve it dequantised") from err
         log.info(

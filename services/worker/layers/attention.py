@@ -110,12 +110,17 @@ def paged_attention(
     """Causal attention of q [T, Hq, D] over each sequence's cached context; returns [T, Hq, D].
 
     A sequence's query tokens are its last (query_start_loc[b+1] - query_start_loc[b]) cached
-    tokens, so this serves prefill chunks and decodes alike. Decodes (one query token) are batched
+    tokens, at least one (the runner refuses steps that schedule none), so this serves prefill chunks and
+    decodes alike. Decodes (one query token) are batched
     into one call of `decode` (default: a padded pure-torch attention); the multi-token sequences into
     one call of `prefill` (default: one SDPA each). Softmax accumulates in float32.
     """
     decode = decode or decode_attention
     prefill = prefill or prefill_attention
+    if q.shape[0] == seq_lens.shape[0]:
+        # As many query tokens as sequences, each at least one: a pure decode step, told without reading the
+        # offsets (every layer of every decode step asks).
+        return decode(q, k_cache, v_cache, block_tables, seq_lens, scale, layout)
     starts = query_start_loc.tolist()
     decode_rows: list[int] = []
     decode_seqs: list[int] = []

@@ -6,7 +6,7 @@ own), row-parallel layers a slice of input columns with an all-reduce after the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 import torch
@@ -14,9 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TPGroup
+from services.worker.layers.dtypes import to_dtype
 from services.worker.layers.quantization import (
     HalfWeight,
-    QuantizedLinearOp,
+    KernelBinder,
     QuantizedMatmul,
     QuantizedWeight,
     cat_weight_rows,
@@ -25,6 +26,9 @@ from services.worker.layers.quantization import (
     weight_columns,
     weight_rows,
 )
+
+# A linear with its weights bound: x [rows, in] -> [rows, out] in the compute dtype.
+LinearFn = Callable[[torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -39,10 +43,6 @@ def balanced_shard(total: int, parts: int, index: int) -> Shard:
     """Part `index` of `total` split into `parts` contiguous pieces whose sizes differ by at most one."""
     base, extra = divmod(total, parts)
     return Shard(index * base + min(index, extra), base + (1 if index < extra else 0))
-
-
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _matmul(
@@ -64,17 +64,17 @@ def _matmul(
     packed weight, else the quantised one dequantised at load (quantized.dense).
     """
     if quantized is not None:
-        if quantized.applies(x.shape[0]):
-            out = quantized.op(_cast(x, compute_dtype), quantized.weight)
-            return out if bias is None else out + _cast(bias, compute_dtype)
+        if x.shape[0] <= quantized.max_rows:
+            out = quantized.run(to_dtype(x, compute_dtype))
+            return out if bias is None else out + to_dtype(bias, compute_dtype)
         if packed is None and quantized.dense is not None:
             weight = quantized.dense
     if packed is not None and (packed.dtype == compute_dtype or torch._C._get_mkldnn_enabled()):
-        bias = None if bias is None else _cast(_cast(bias, compute_dtype), packed.dtype)
-        out = torch.ops.mkldnn._linear_pointwise(_cast(x, packed.dtype), packed, bias, "none", [], "")
-        return _cast(out, compute_dtype)
-    bias = None if bias is None else _cast(bias, compute_dtype)
-    return F.linear(x, _cast(weight, compute_dtype), bias)
+        bias = None if bias is None else to_dtype(to_dtype(bias, compute_dtype), packed.dtype)
+        out = torch.ops.mkldnn._linear_pointwise(to_dtype(x, packed.dtype), packed, bias, "none", [], "")
+        return to_dtype(out, compute_dtype)
+    bias = None if bias is None else to_dtype(bias, compute_dtype)
+    return F.linear(x, to_dtype(weight, compute_dtype), bias)
 
 
 def _check_shape(name: str, got: torch.Tensor, expected: tuple[int, ...]) -> None:
@@ -101,7 +101,15 @@ class ColumnParallelLinear(nn.Module):
         self.quantized_parts: dict[int, QuantizedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _matmul(x, self.weight, self.bias, self.compute_dtype, self.packed, self.quantized)
+        return self.bind()(x)
+
+    def bind(self) -> LinearFn:
+        """This layer's matmul with its weights fetched once (a step's linears run these: a module call and its
+        attribute lookups cost more than a small matmul here). Bind after the weights are final."""
+        weight, bias, compute_dtype, packed, quantized = (
+            self.weight, self.bias, self.compute_dtype, self.packed, self.quantized
+        )  # fmt: skip
+        return lambda x: _matmul(x, weight, bias, compute_dtype, packed, quantized)
 
     def load_quantized(self, weight: QuantizedWeight, part: int) -> None:
         """Keep this rank's rows of checkpoint part `part` in the checkpoint's quantised format."""
@@ -147,9 +155,22 @@ class RowParallelLinear(nn.Module):
         self.quantized_parts: dict[int, QuantizedWeight] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.tp.all_reduce(_matmul(x, self.weight, None, self.compute_dtype, self.packed, self.quantized))
-        # After the reduce, so the bias is added once rather than once per rank.
-        return y if self.bias is None else y + _cast(self.bias, self.compute_dtype)
+        return self.bind()(x)
+
+    def bind(self) -> LinearFn:
+        """As ColumnParallelLinear.bind, with the all-reduce (none on one rank) and then the bias."""
+        weight, compute_dtype, packed, quantized = self.weight, self.compute_dtype, self.packed, self.quantized
+        reduce = self.tp.all_reduce if self.tp.size > 1 else None
+        bias = None if self.bias is None else to_dtype(self.bias, compute_dtype)
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            y = _matmul(x, weight, None, compute_dtype, packed, quantized)
+            if reduce is not None:
+                y = reduce(y)
+            # After the reduce, so the bias is added once rather than once per rank.
+            return y if bias is None else y + bias
+
+        return linear
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's input columns of the weight, or the whole bias."""
@@ -200,7 +221,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def logits(self, hidden: torch.Tensor, compute_dtype: torch.dtype) -> torch.Tensor:
         """Float32 logits [N, vocab]: each rank's vocab slice, gathered in rank order."""
-        local = _matmul(_cast(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed, self.quantized)
+        local = _matmul(to_dtype(hidden, compute_dtype), self.weight, None, compute_dtype, self.packed, self.quantized)
         return self.tp.all_gather_last_dim(local.float())[:, : self.vocab_size]
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
@@ -237,35 +258,36 @@ def pack_linears(
         # A quantised layer packs its quantised weight dequantised: every step size computes the same model.
         source = module.weight if module.quantized is None else module.quantized.weight.dequantize(compute_dtype)
         module.packed = torch.ops.mkldnn._reorder_linear_weight(
-            _cast(_cast(source, compute_dtype), pack_dtype), batch_hint
+            to_dtype(to_dtype(source, compute_dtype), pack_dtype), batch_hint
         )
         if pack_dtype == compute_dtype and not isinstance(module, VocabParallelEmbedding):
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def quantize_matmuls(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max_rows: int) -> None:
-    """Give each linear (and the LM head) an int8 copy of its weight, run by op for steps of up to
+def quantize_matmuls(modules: Iterable[MatmulModule], bind: KernelBinder, max_rows: int) -> None:
+    """Give each linear (and the LM head) an int8 copy of its weight, run by its bound kernel for steps of up to
     max_rows rows. Run before pack_linears, which may drop the plain weight it packs."""
     if max_rows < 1:
         raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
     for module in modules:
-        module.quantized = QuantizedMatmul(quantize_int8(module.weight), op, max_rows)
+        module.quantized = QuantizedMatmul(quantize_int8(module.weight), bind, max_rows)
 
 
 def attach_half_weights(
-    modules: Iterable[MatmulModule], compute_dtype: torch.dtype, op: QuantizedLinearOp, max_rows: int
+    modules: Iterable[MatmulModule], compute_dtype: torch.dtype, bind: KernelBinder, max_rows: int
 ) -> None:
-    """Give each linear (and the LM head) its own weight in compute_dtype as a HalfWeight, run by op for steps of
-    up to max_rows rows (where the platform's GEMM would read fp32 copies instead). Run before pack_linears."""
+    """Give each linear (and the LM head) its own weight in compute_dtype as a HalfWeight, run by its bound kernel
+    for steps of up to max_rows rows (where the platform's GEMM would read fp32 copies instead). Run before
+    pack_linears."""
     if max_rows < 1:
         raise ValueError(f"half max_rows must be >= 1, got {max_rows}")
     for module in modules:
-        module.quantized = QuantizedMatmul(HalfWeight(_cast(module.weight.detach(), compute_dtype)), op, max_rows)
+        module.quantized = QuantizedMatmul(HalfWeight(to_dtype(module.weight.detach(), compute_dtype)), bind, max_rows)
 
 
-def attach_quantized(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max_rows: int) -> int:
+def attach_quantized(modules: Iterable[MatmulModule], bind: KernelBinder, max_rows: int) -> int:
     """Give each module whose checkpoint came quantised (load_quantized) its weight as a QuantizedMatmul, run
-    by op for steps of up to max_rows rows; returns how many got one. Each must dequantise to exactly the
+    by its bound kernel for steps of up to max_rows rows; returns how many got one. Each must dequantise to exactly the
     plain weight loaded beside it (the same checkpoint, dequantised by its own library): a block layout read
     wrongly fails here, at load, instead of computing another model. Run before pack_linears."""
     if max_rows < 1:
@@ -281,7 +303,7 @@ def attach_quantized(modules: Iterable[MatmulModule], op: QuantizedLinearOp, max
                 f"a {type(module).__name__} of shape {tuple(module.weight.shape)}: the checkpoint's quantised blocks "
                 "do not dequantise to its weight (a block layout this worker reads wrongly)"
             )
-        module.quantized = QuantizedMatmul(weight, op, max_rows)
+        module.quantized = QuantizedMatmul(weight, bind, max_rows)
         attached += 1
     return attached
 

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 
 from services.worker.distributed import SINGLE, TPGroup
 from services.worker.layers.attention import AttentionMetadata
+from services.worker.layers.dtypes import to_dtype
 from services.worker.layers.linear import (
     ColumnParallelLinear,
+    LinearFn,
     MatmulModule,
     RowParallelLinear,
     Shard,
@@ -28,6 +30,17 @@ from services.worker.precision import Precision
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
+KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
+# The bound forms of the modules (their bind methods): what a step runs.
+# (x, residual or None) -> (normed x in the compute dtype, the residual stream)
+NormFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
+# (x, cos, sin, this layer's KV cache, metadata) -> the attention block's output
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, KVCacheLayer, AttentionMetadata], torch.Tensor]
+# (hidden, residual or None, cos, sin, KV cache, metadata) -> (hidden, residual)
+LayerFn = Callable[
+    [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, KVCacheLayer, AttentionMetadata],
+    tuple[torch.Tensor, torch.Tensor],
+]
 
 
 @dataclass(frozen=True)
@@ -153,12 +166,22 @@ class RMSNorm(nn.Module):
         self.compute = precision.compute
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        x = x.to(self.accum)
-        weight = self.weight.to(self.accum)
-        if residual is None:
-            return self.ops.rms_norm(x, weight, self.eps).to(self.compute), x
-        normed, residual = self.ops.add_rms_norm(x, residual, weight, self.eps)
-        return normed.to(self.compute), residual
+        return self.bind()(x, residual)
+
+    def bind(self) -> NormFn:
+        """The norm with its weight (in the accumulation dtype) and ops fetched once; bind after loading."""
+        accum, compute, eps = self.accum, self.compute, self.eps
+        weight = to_dtype(self.weight, accum)
+        rms_norm, add_rms_norm = self.ops.rms_norm, self.ops.add_rms_norm
+
+        def norm(x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            x = to_dtype(x, accum)
+            if residual is None:
+                return to_dtype(rms_norm(x, weight, eps), compute), x
+            normed, residual = add_rms_norm(x, residual, weight, eps)
+            return to_dtype(normed, compute), residual
+
+        return norm
 
 
 class LlamaAttention(nn.Module):
@@ -190,18 +213,37 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.reshape(num_tokens, self.num_heads, self.head_dim)
-        k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.ops.apply_rotary(q, k, cos, sin)
-        k_cache, v_cache = kv_cache
-        self.ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = self.ops.paged_attention(
-            q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, self.scale
-        )
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.bind()(x, cos, sin, kv_cache, meta)
+
+    def bind(self) -> AttentionFn:
+        """The attention block with its linears, shapes and ops fetched once; bind after the weights are final."""
+        qkv_proj, o_proj = self.qkv_proj.bind(), self.o_proj.bind()
+        sizes = [self.q_size, self.kv_size, self.kv_size]
+        num_heads, num_kv_heads, head_dim, q_size, scale = (
+            self.num_heads, self.num_kv_heads, self.head_dim, self.q_size, self.scale
+        )  # fmt: skip
+        ops = self.ops
+        apply_rotary, reshape_and_cache, paged_attention = ops.apply_rotary, ops.reshape_and_cache, ops.paged_attention
+
+        def attention(
+            x: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            kv_cache: tuple[torch.Tensor, torch.Tensor],
+            meta: AttentionMetadata,
+        ) -> torch.Tensor:
+            num_tokens = x.shape[0]
+            q, k, v = qkv_proj(x).split(sizes, dim=-1)
+            q = q.reshape(num_tokens, num_heads, head_dim)
+            k = k.reshape(num_tokens, num_kv_heads, head_dim)
+            v = v.reshape(num_tokens, num_kv_heads, head_dim)
+            q, k = apply_rotary(q, k, cos, sin)
+            k_cache, v_cache = kv_cache
+            reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = paged_attention(q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale)
+            return o_proj(out.reshape(num_tokens, q_size))
+
+        return attention
 
 
 class LlamaMLP(nn.Module):
@@ -215,7 +257,12 @@ class LlamaMLP(nn.Module):
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+        return self.bind()(x)
+
+    def bind(self) -> LinearFn:
+        """The MLP with its linears and op fetched once; bind after the weights are final."""
+        gate_up_proj, down_proj, silu_and_mul = self.gate_up_proj.bind(), self.down_proj.bind(), self.ops.silu_and_mul
+        return lambda x: down_proj(silu_and_mul(gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -237,10 +284,27 @@ class LlamaDecoderLayer(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        x, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(x, cos, sin, kv_cache, meta)
-        x, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(x), residual
+        return self.bind()(hidden, residual, cos, sin, kv_cache, meta)
+
+    def bind(self) -> LayerFn:
+        """The layer as one closure over its parts' bound forms: what a step runs (see LlamaForCausalLM.bind)."""
+        input_norm, attention = self.input_layernorm.bind(), self.self_attn.bind()
+        post_norm, mlp = self.post_attention_layernorm.bind(), self.mlp.bind()
+
+        def layer(
+            hidden: torch.Tensor,
+            residual: torch.Tensor | None,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            kv_cache: tuple[torch.Tensor, torch.Tensor],
+            meta: AttentionMetadata,
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+            x, residual = input_norm(hidden, residual)
+            hidden = attention(x, cos, sin, kv_cache, meta)
+            x, residual = post_norm(hidden, residual)
+            return mlp(x), residual
+
+        return layer
 
 
 class LlamaModel(nn.Module):
@@ -291,6 +355,8 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size, tp)
         inv_freq, scaling = inv_freq_for_config(hf_config, self.arch.head_dim)
         self.rotary = RotaryTable(inv_freq, max_positions, scaling)
+        # Each layer's and the final norm's bound forms (bind), once the weights are final.
+        self._bound: tuple[list[LayerFn], NormFn | None] | None = None
 
     def to_device(self, device: torch.device) -> LlamaForCausalLM:
         """Move rotary tables along with parameters (they are not buffers, so loading never touches them)."""
@@ -310,6 +376,10 @@ class LlamaForCausalLM(nn.Module):
         The first stage embeds input_ids; a later one continues from `carried`, the previous stage's
         (hidden, residual). The last stage returns final-normed hidden states [T, hidden] and None; any other
         returns its (hidden, residual) for the next stage."""
+        if self._bound is None:
+            self.bind()
+        assert self._bound is not None
+        layers, final_norm = self._bound
         cos, sin = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         if self.model.embed_tokens is not None:
@@ -317,13 +387,22 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert carried is not None, "a stage after the first continues from the previous stage's activations"
             hidden, residual = carried
-        for layer, kv_cache in zip(self.model.layers.values(), kv_caches, strict=True):
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
-        if self.model.norm is None:
+        if final_norm is None:
             assert residual is not None
             return hidden, residual
-        hidden, _ = self.model.norm(hidden, residual)
+        hidden, _ = final_norm(hidden, residual)
         return hidden, None
+
+    def bind(self) -> None:
+        """Bind every layer's weights, shapes and ops into closures, which forward runs. A decode step at one
+        row spent ~4 ms of ~20 in module calls, attribute lookups and per-call checks on the Zen 3 EPYC
+        (docs/benchmarks.md); bound, a step calls little but its kernels. Call it once the weights are final
+        (loaded, quantised, packed: the model runner does, at the end of loading); load_weights unbinds, and
+        forward binds on first use if nobody did."""
+        layers = [cast(LlamaDecoderLayer, layer).bind() for layer in self.model.layers.values()]
+        self._bound = (layers, None if self.model.norm is None else self.model.norm.bind())
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank of the last stage."""
@@ -359,6 +438,7 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy this rank's slice of HF-named tensors into our (fused, sharded) parameters; raise on gaps."""
+        self._bound = None
         modules = dict(self.named_modules())
         loaded: set[tuple[str, str, int]] = set()
         for checkpoint_name, tensor in weights:

@@ -9,10 +9,12 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.layers.quantization import (
+    BoundKernel,
     HalfWeight,
     Int4Weight,
     Int8Weight,
     QuantizedWeight,
+    binder_of,
     quantized_linear_reference,
 )
 from services.worker.startup_error import StartupError
@@ -97,8 +99,13 @@ class Ops(abc.ABC):
         dtype."""
         return quantized_linear_reference(x, weight)
 
+    def quantized_kernel(self, weight: QuantizedWeight) -> BoundKernel:
+        """The kernel for the weight's format with the weight bound (a KernelBinder: what a quantised layer's
+        QuantizedMatmul runs); platforms with kernels bind theirs directly."""
+        return binder_of(self.quantized_linear)(weight)
+
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-        """The kernel for the weight's format (a quantised layer's op: layers.quantization.QuantizedMatmul)."""
+        """The kernel for the weight's format."""
         if isinstance(weight, Int4Weight):
             return self.int4_linear(x, weight)
         if isinstance(weight, HalfWeight):

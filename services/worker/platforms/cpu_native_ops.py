@@ -7,7 +7,7 @@ import functools
 import torch
 
 from services.worker.layers import attention
-from services.worker.layers.quantization import HalfWeight, Int4Weight, Int8Weight
+from services.worker.layers.quantization import BoundKernel, HalfWeight, Int4Weight, Int8Weight, QuantizedWeight
 from services.worker.platforms.reference_ops import ReferenceOps
 
 
@@ -52,11 +52,24 @@ class NativeCpuOps(ReferenceOps):
     def apply_rotary(
         self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        q_out, k_out = torch.ops.meshserve_cpu.apply_rotary(q, k, cos.float(), sin.float())
+        # RotaryTable's cos and sin are float32 already, as the kernel takes them (it checks).
+        q_out, k_out = torch.ops.meshserve_cpu.apply_rotary(q, k, cos, sin)
         return q_out, k_out
 
     def silu_and_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return torch.ops.meshserve_cpu.silu_and_mul(gate_up)
+
+    def quantized_kernel(self, weight: QuantizedWeight) -> BoundKernel:
+        """The weight's kernel overload with its tensors bound: a step's call goes straight to the kernel."""
+        kernels = torch.ops.meshserve_cpu
+        if isinstance(weight, Int4Weight):
+            int4, packed, scales, offsets = kernels.int4_linear.default, weight.packed, weight.scales, weight.offsets
+            return lambda x: int4(x, packed, scales, offsets)
+        if isinstance(weight, HalfWeight):
+            half, half_weight = kernels.half_linear.default, weight.weight
+            return lambda x: half(x, half_weight)
+        int8, qweight, row_scales = kernels.int8_linear.default, weight.qweight, weight.scales
+        return lambda x: int8(x, qweight, row_scales)
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """Each int8 weight vector widened once in registers and used for every row (kernels/quantized_linear.cpp)."""

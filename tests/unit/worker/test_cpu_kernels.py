@@ -22,7 +22,13 @@ from services.worker.layers.attention import (
     prefill_attention,
     reshape_and_cache,
 )
-from services.worker.layers.quantization import HalfWeight, quantize_int4, quantize_int8, quantized_linear_reference
+from services.worker.layers.quantization import (
+    HalfWeight,
+    QuantizedWeight,
+    quantize_int4,
+    quantize_int8,
+    quantized_linear_reference,
+)
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
 from services.worker.platforms.cpu_native_ops import NativeCpuOps
@@ -318,6 +324,21 @@ def test_half_linear_matches_the_widened_reference(
     weight = HalfWeight((torch.randn(70, in_features, generator=g) * 0.05).to(weight_dtype))
     x = torch.randn(rows, in_features, generator=g).to(dtype)
     _ulp_close(native.half_linear(x, weight), quantized_linear_reference(x, weight))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "half"])
+def test_bound_kernels_are_the_format_kernels(native: NativeCpuOps, fmt: str) -> None:
+    """quantized_kernel binds a weight to exactly the kernel quantized_linear picks for its format."""
+    g = torch.Generator().manual_seed(3)
+    dense = torch.randn(40, 64, generator=g) * 0.05
+    weights: dict[str, QuantizedWeight] = {
+        "int8": quantize_int8(dense),
+        "int4": quantize_int4(dense),
+        "half": HalfWeight(dense.bfloat16()),
+    }
+    weight = weights[fmt]
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    assert torch.equal(native.quantized_kernel(weight)(x), native.quantized_linear(x, weight))
 
 
 def test_half_linear_rows_do_not_depend_on_their_batch(native: NativeCpuOps) -> None:

@@ -22,6 +22,7 @@ from services.worker.layers.quantization import (
     INT8_LEVELS,
     Int4Weight,
     Int8Weight,
+    binder_of,
     quantize_int4,
     quantize_int8,
     quantized_linear_reference,
@@ -67,7 +68,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
         return quantized_linear_reference(x, w)  # type: ignore[arg-type]
 
     layer = _linear(weight)
-    quantize_matmuls([layer], op, max_rows=4)
+    quantize_matmuls([layer], binder_of(op), max_rows=4)
     pack_linears([layer], torch.bfloat16, torch.float32, 4)
     release_quantized_weights([layer], torch.bfloat16)
     assert layer.weight.numel() == 0  # only the int8 and the packed copies remain
@@ -83,7 +84,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
 def test_without_a_packed_copy_large_steps_dequantise() -> None:
     weight = torch.randn(16, 8).to(torch.bfloat16)
     layer = _linear(weight)
-    quantize_matmuls([layer], quantized_linear_reference, max_rows=1)
+    quantize_matmuls([layer], binder_of(quantized_linear_reference), max_rows=1)
     release_quantized_weights([layer], torch.bfloat16)
     x = torch.randn(5, 8).bfloat16()
     expected = torch.nn.functional.linear(x, layer.quantized.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
@@ -92,7 +93,7 @@ def test_without_a_packed_copy_large_steps_dequantise() -> None:
 
 def test_max_rows_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
-        quantize_matmuls([_linear(torch.ones(2, 2))], quantized_linear_reference, max_rows=0)
+        quantize_matmuls([_linear(torch.ones(2, 2))], binder_of(quantized_linear_reference), max_rows=0)
 
 
 def _config(model_dir: Path, **overrides: object) -> EngineConfig:
@@ -277,7 +278,7 @@ def test_blocks_that_do_not_match_the_dense_weight_fail_at_load() -> None:
     wrong = quantize_int4(torch.randn(8, 64))
     layer.load_quantized(wrong, 0)
     with pytest.raises(ValueError, match="do not dequantise to its weight"):
-        attach_quantized([layer], quantized_linear_reference, max_rows=1)
+        attach_quantized([layer], binder_of(quantized_linear_reference), max_rows=1)
 
 
 def test_a_row_parallel_shard_off_the_blocks_is_refused() -> None:
