@@ -15,34 +15,32 @@ import json
 from pathlib import Path
 from typing import Any
 
-# Published architectures: the fields of their config.json that set a Llama's shapes (Meta's Llama 3 8B and 70B,
-# and the embedded model's family for small tests).
+# Llama 3's family traits: vocabulary, special ids, context, rope and norm.
+_LLAMA_3: dict[str, Any] = {
+    "vocab_size": 128256,
+    "num_key_value_heads": 8,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+# Published architectures: the fields of their config.json that set a Llama's shapes (Meta's Llama 3 8B and 70B),
+# and a tiny one for tests.
 SHAPES: dict[str, dict[str, Any]] = {
     "llama-3-8b": {
-        "vocab_size": 128256,
+        **_LLAMA_3,
         "hidden_size": 4096,
         "intermediate_size": 14336,
         "num_hidden_layers": 32,
         "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
     },
     "llama-3-70b": {
-        "vocab_size": 128256,
+        **_LLAMA_3,
         "hidden_size": 8192,
         "intermediate_size": 28672,
         "num_hidden_layers": 80,
         "num_attention_heads": 64,
-        "num_key_value_heads": 8,
-        "max_position_embeddings": 8192,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "bos_token_id": 128000,
-        "eos_token_id": 128001,
     },
     "tiny": {
         "vocab_size": 512,

@@ -31,7 +31,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2")
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 KVCacheLayer = tuple[torch.Tensor, torch.Tensor]
-# The bound forms of the modules (their bind methods): what a step runs.
+# The bound forms of the modules (their bind methods): what a step runs. The norm, attention, MLP and decoder
+# layer modules hold weights and have no forward of their own: bind() is their one definition of what they compute.
 # (x, residual or None) -> (normed x in the compute dtype, the residual stream)
 NormFn = Callable[[torch.Tensor, torch.Tensor | None], tuple[torch.Tensor, torch.Tensor]]
 # (x, cos, sin, this layer's KV cache, metadata) -> the attention block's output
@@ -165,9 +166,6 @@ class RMSNorm(nn.Module):
         self.accum = precision.accum
         self.compute = precision.compute
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bind()(x, residual)
-
     def bind(self) -> NormFn:
         """The norm with its weight (in the accumulation dtype) and ops fetched once; bind after loading."""
         accum, compute, eps = self.accum, self.compute, self.eps
@@ -204,16 +202,6 @@ class LlamaAttention(nn.Module):
         )
         self.o_proj = RowParallelLinear(q_shard, arch.hidden_size, arch.o_bias, precision.compute, tp)
         self.ops = ops
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        return self.bind()(x, cos, sin, kv_cache, meta)
 
     def bind(self) -> AttentionFn:
         """The attention block with its linears, shapes and ops fetched once; bind after the weights are final."""
@@ -256,9 +244,6 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(shard, arch.hidden_size, arch.mlp_bias, precision.compute, tp)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.bind()(x)
-
     def bind(self) -> LinearFn:
         """The MLP with its linears and op fetched once; bind after the weights are final."""
         gate_up_proj, down_proj, silu_and_mul = self.gate_up_proj.bind(), self.down_proj.bind(), self.ops.silu_and_mul
@@ -274,17 +259,6 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(arch, ops, precision, tp)
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, precision)
-
-    def forward(
-        self,
-        hidden: torch.Tensor,
-        residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.bind()(hidden, residual, cos, sin, kv_cache, meta)
 
     def bind(self) -> LayerFn:
         """The layer as one closure over its parts' bound forms: what a step runs (see LlamaForCausalLM.bind)."""
