@@ -33,8 +33,10 @@ HTTP_PORT = 8000
 if TYPE_CHECKING:
     from services.client.dev_certs import DevCerts
 
-# How the scheduler picks a worker per request: the choices of its --routing, which `up` passes on.
-ROUTING_POLICIES: tuple[str, ...] = typing.get_args(SchedulerSettings.model_fields["routing"].annotation)
+
+def _scheduler_choices(field: str) -> tuple[str, ...]:
+    """The values a scheduler flag of fixed choices takes, which `up` passes on."""
+    return typing.get_args(SchedulerSettings.model_fields[field].annotation)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--workers", "--num-workers", dest="workers", type=_positive_int, default=1, help="worker processes to start"
     )
     parser.add_argument(
-        "--routing", default=None, choices=ROUTING_POLICIES, help="how the scheduler picks a worker (scheduler default)"
+        "--routing",
+        default=None,
+        choices=_scheduler_choices("routing"),
+        help="how the scheduler picks a worker (scheduler default)",
     )
     parser.add_argument("--device", default=None, help="worker device: auto, cpu, cuda or npu (worker default: auto)")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="one dtype")
@@ -145,7 +150,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--kv-store-capacity", default=None, help="memory backend's byte budget, e.g. 4GiB")
     parser.add_argument(
-        "--preemption-mode", default=None, choices=["recompute", "swap"], help="(scheduler default: recompute)"
+        "--preemption-mode",
+        default=None,
+        choices=_scheduler_choices("preemption_mode"),
+        help="(scheduler default: recompute)",
     )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import typing
 
 import pytest
 
 from services.client import up
+from services.scheduler.settings import SchedulerSettings
 
 
 def _parse(*argv: str) -> argparse.Namespace:
@@ -38,12 +40,18 @@ def test_ports_other_services_dial_must_be_fixed(flag: str, value: str, capsys: 
     assert f"argument {flag}" in capsys.readouterr().err
 
 
-def test_routing_reaches_the_scheduler_only_when_given() -> None:
-    assert "--routing" not in up.scheduler_args(_parse())
-    for policy in up.ROUTING_POLICIES:
-        assert up.scheduler_args(_parse("--routing", policy))[-2:] == ["--routing", policy]
+@pytest.mark.parametrize("flag", ["--routing", "--preemption-mode"])
+def test_scheduler_choices_reach_it_only_when_given(flag: str) -> None:
+    """`up` offers the scheduler's own choices (one list), and passes a choice on only when given."""
+    field = flag[2:].replace("-", "_")
+    choices = typing.get_args(SchedulerSettings.model_fields[field].annotation)
+    assert len(choices) >= 2
+    assert flag not in up.scheduler_args(_parse())
+    for choice in choices:
+        args = up.scheduler_args(_parse(flag, choice))
+        assert args[args.index(flag) : args.index(flag) + 2] == [flag, choice]
     with pytest.raises(SystemExit):
-        _parse("--routing", "random")
+        _parse(flag, "random")
 
 
 def test_say_survives_a_closed_pipe() -> None:
