@@ -66,6 +66,8 @@ MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "meshserve": (),
     "meshserve-int8": ("--quantization", "int8"),
     "meshserve-no-kvstore": ("--kv-store", "off"),
+    # The kvstore gets a block the first time it is reused, not every block computed.
+    "meshserve-selective": ("--kv-store-write-policy", "write-through-selective"),
     "meshserve-spec": ("--speculative-config", SPECULATIVE_CONFIG),
     "meshserve-int8-spec": ("--quantization", "int8", "--speculative-config", SPECULATIVE_CONFIG),
     # The embedded model's own GGUF file (Q4_1 linears, a Q8_0 LM head), its blocks multiplied as they are.

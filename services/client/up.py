@@ -155,6 +155,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=_scheduler_choices("preemption_mode"),
         help="(scheduler default: recompute)",
     )
+    parser.add_argument(
+        "--kv-store-write-policy",
+        default=None,
+        choices=_scheduler_choices("kv_store_write_policy"),
+        help="which blocks the kvstore gets: every computed one, or each the first time it is reused "
+        "(scheduler default: write-through)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
@@ -213,6 +220,7 @@ def scheduler_args(ns: argparse.Namespace) -> list[str]:
         *_prefix_caching(ns.enable_prefix_caching),
         *_optional("--routing", ns.routing),
         *_optional("--preemption-mode", ns.preemption_mode),
+        *_optional("--kv-store-write-policy", ns.kv_store_write_policy),
     ]
 
 

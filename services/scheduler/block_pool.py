@@ -14,6 +14,8 @@ class Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: bytes | None = None
+    # A save of this content to the kvstore was sent (or it came from the store): nothing to save on reuse.
+    saved: bool = False
 
 
 class BlockPool:
@@ -127,3 +129,4 @@ class BlockPool:
         if self._cached.get(block.block_hash) is block:
             del self._cached[block.block_hash]
         block.block_hash = None
+        block.saved = False

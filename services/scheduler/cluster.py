@@ -168,7 +168,11 @@ class Cluster:
         """Loads and saves for this worker need a store on both ends and block hashes (prefix caching)."""
         if self.kv_lookup is None or not hello.kv_store_enabled or not self.settings.enable_prefix_caching:
             return None
-        return KVStoreUse(kv_format=hello.kv_format, swap=self.settings.preemption_mode == "swap")
+        return KVStoreUse(
+            kv_format=hello.kv_format,
+            swap=self.settings.preemption_mode == "swap",
+            save_on_reuse=self.settings.kv_store_write_policy == "write-through-selective",
+        )
 
     def mark_ready(self, worker: WorkerLoop) -> None:
         """The worker was told it is accepted: route to it, starting with requests that waited for a worker."""

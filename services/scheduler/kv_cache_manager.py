@@ -94,7 +94,8 @@ class KVCacheManager:
         before = self._num_cached.get(rid, 0)
         if num_full_blocks > before:
             hashes = request.get_block_hashes(self.block_size)
-            self.pool.cache_full_blocks(self._blocks[rid], hashes, before, num_full_blocks)
+            for block in self.pool.cache_full_blocks(self._blocks[rid], hashes, before, num_full_blocks):
+                block.saved = True
             self._num_cached[rid] = num_full_blocks
 
     def _cache_blocks(self, request: Request, num_tokens: int) -> None:

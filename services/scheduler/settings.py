@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
@@ -67,4 +67,20 @@ class SchedulerSettings(ServiceSettings):
         "recompute",
         description="a preempted request resumes by recomputing, or (swap, needs --kv-store) from its saved blocks",
     )
+    kv_store_write_policy: Literal["write-through", "write-through-selective"] = Field(
+        "write-through",
+        description="which computed blocks go to the kvstore: write-through, every full block once computed (a "
+        "requeued or swapped-out request, or another worker, finds all of them); write-through-selective, a "
+        "block the first time a later request reuses it (SGLang's HiCache policy: prompts never seen twice "
+        "cost the store nothing, but a lost worker's requests find only reused prefixes)",
+    )
     retry_after: float = Field(1.0, description="seconds a refused caller is told to wait (google.rpc.RetryInfo)", ge=0)
+
+    @model_validator(mode="after")
+    def _swap_needs_write_through(self) -> SchedulerSettings:
+        if self.preemption_mode == "swap" and self.kv_store_write_policy != "write-through":
+            raise ValueError(
+                "--preemption-mode swap resumes a preempted request from the blocks it saved as they were "
+                "computed: use --kv-store-write-policy write-through with it, or --preemption-mode recompute"
+            )
+        return self

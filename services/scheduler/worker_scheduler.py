@@ -103,6 +103,9 @@ class KVStoreUse:
     kv_format: str
     # --preemption-mode swap: a preempted request resumes from the blocks it saved, not by recomputing.
     swap: bool = False
+    # --kv-store-write-policy write-through-selective: a block is saved the first time a request reuses it,
+    # not when it is computed.
+    save_on_reuse: bool = False
 
 
 class PlannerListener(Protocol):
@@ -183,6 +186,9 @@ class WorkerScheduler:
         # A request was swapped out while this step was planned: the step tells the worker to send its queued
         # saves now (Step.kv_saves_flush), since the request resumes from them.
         self._flush_saves = False
+        # Under save_on_reuse: cached blocks that requests admitted into the step being planned reuse, and
+        # that are not in the store yet; that step saves them.
+        self._reused_unsaved: list[Block] = []
         self.num_steps = 0
         self.num_mixed_steps = 0
         self.max_batch_size = 0
@@ -304,6 +310,7 @@ class WorkerScheduler:
                     new_bytes += load_bytes
                     self.waiting.popleft()
                     self._count_lookup(request, num_hit)
+                    self._note_reuse(hits)
                     self._begin_load(request, len(hits), num_load)
                     continue
                 num_new = self._chunk(request.num_tokens - num_hit, budget)
@@ -313,6 +320,7 @@ class WorkerScheduler:
                 new_bytes += size
                 self.waiting.popleft()
                 self._count_lookup(request, num_hit)
+                self._note_reuse(hits)
                 planned_new.append(self._start(request, num_hit, num_new))
                 budget -= num_new
 
@@ -322,13 +330,17 @@ class WorkerScheduler:
         step = self._build_step(planned_running, planned_new)
         self._inflight_cached[step.step_id] = newly_cached
         if self.kv_store is not None:
-            # The blocks this step completes go to the store once computed (write-through: a preempted or
-            # requeued request, or another worker, finds them there later).
-            step.kv_saves.extend(
-                worker_pb2.KVBlockRef(block_id=b.block_id, block_hash=b.block_hash)
-                for b in newly_cached
-                if b.block_hash is not None
+            # Write-through: the blocks this step completes go to the store once computed (a preempted or
+            # requeued request, or another worker, finds them there later). Selective: the cached blocks this
+            # step's admissions reuse for the first time (their KV was written by an earlier step, which the
+            # worker computed first).
+            saves, self._reused_unsaved = (
+                (self._reused_unsaved, []) if self.kv_store.save_on_reuse else (newly_cached, self._reused_unsaved)
             )
+            for block in saves:
+                if block.block_hash is not None:
+                    block.saved = True
+                    step.kv_saves.append(worker_pb2.KVBlockRef(block_id=block.block_id, block_hash=block.block_hash))
             self.kv_store_saves += len(step.kv_saves)
             step.kv_saves_flush, self._flush_saves = self._flush_saves, False
             step.kv_loads.extend(self._pending_loads)
@@ -336,6 +348,15 @@ class WorkerScheduler:
         self._pending_removals = []
         self._commit(planned_running + planned_new, step.step_id)
         return step
+
+    def _note_reuse(self, hits: list[Block]) -> None:
+        """Under save_on_reuse, queue the hit blocks not yet in the store for the step being planned."""
+        if self.kv_store is None or not self.kv_store.save_on_reuse:
+            return
+        for block in hits:
+            if not block.saved:
+                block.saved = True  # queued for this step: another admission in it does not queue it again
+                self._reused_unsaved.append(block)
 
     def _speculating(self) -> bool:
         """Whether this step may carry drafts: speculation is on, the batch is small enough, and some running
@@ -657,6 +678,7 @@ class WorkerScheduler:
         self._on_worker.clear()
         self._pending_removals = []
         self._inflight_cached = {}
+        self._reused_unsaved = []
         self.kv.reset()
         return released
 

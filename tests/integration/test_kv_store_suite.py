@@ -109,6 +109,45 @@ def test_prefix_computed_on_one_worker_loads_on_the_other(tiny_model_dir: Path, 
     assert stats.kv_store_enabled and stats.kv_store_lookup_errors == 0
 
 
+def test_selective_saves_a_prefix_once_it_is_reused(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """write-through-selective: a prompt run once is not stored; run again on its worker, its prefix is, and
+    then loads on the other worker with the same output."""
+    suite = start_suite(
+        tiny_model_dir,
+        tmp_path,
+        num_workers=2,
+        worker_args=KV,
+        scheduler_args=["--routing", "round-robin", "--kv-store-write-policy", "write-through-selective"],
+        kv_store_args=[],
+    )
+    prompt = _prompts(1, seed=5, lo=300, hi=300)[0]
+    num_blocks = (len(prompt) - 1) // BLOCK
+
+    async def run() -> tuple[list[Answer], list[scheduler_pb2.SchedulerStats]]:
+        stats: list[scheduler_pb2.SchedulerStats] = []
+        (first,) = await greedy_token_answers(suite.address, [prompt], max_tokens=24)  # worker-0
+        await greedy_token_answers(suite.address, [[7, 8, 9]], max_tokens=1)  # worker-1
+        stats.append(await suite.wait_idle())
+        (again,) = await greedy_token_answers(suite.address, [prompt], max_tokens=24)  # worker-0: a local hit
+        stats.append(await suite.wait_idle())
+        await wait_stored(_store(suite), num_blocks)
+        (elsewhere,) = await greedy_token_answers(suite.address, [prompt], max_tokens=24)  # worker-1: a load
+        stats.append(await suite.wait_idle())
+        return [first, again, elsewhere], stats
+
+    try:
+        answers, (seen_once, reused, loaded) = asyncio.run(run())
+    finally:
+        suite.stop()
+    assert answers[1].token_ids == answers[0].token_ids and answers[2].token_ids == answers[0].token_ids
+    assert [_worker(seen_once, w).kv_store_saves for w in ("worker-0", "worker-1")] == [0, 0]
+    assert _worker(reused, "worker-0").kv_store_saves == num_blocks
+    assert _worker(reused, "worker-0").prefix_cache_hits == num_blocks * BLOCK
+    w1 = _worker(loaded, "worker-1")
+    assert w1.kv_store_loaded_tokens == num_blocks * BLOCK and w1.kv_store_load_misses == 0
+    assert w1.kv_store_saves == 0, "loaded blocks are in the store already"
+
+
 def test_tp1_blocks_load_into_a_tp2_worker(tiny_model_dir: Path, tmp_path: Path) -> None:
     suite = start_suite(
         tiny_model_dir,

@@ -89,6 +89,14 @@ def test_worker_settings_refuse_bad_combinations(argv: list[str], message: str) 
     assert message in str(info.value)
 
 
+def test_swap_preemption_refuses_selective_saves() -> None:
+    settings = _parse(SchedulerSettings, ["--kv-store-write-policy", "write-through-selective"])
+    assert settings.kv_store_write_policy == "write-through-selective"
+    with pytest.raises(ValidationError) as info:
+        _parse(SchedulerSettings, ["--preemption-mode", "swap", "--kv-store-write-policy", "write-through-selective"])
+    assert "use --kv-store-write-policy write-through with it" in str(info.value)
+
+
 def test_list_flags_repeat_and_take_several_values() -> None:
     import argparse
 

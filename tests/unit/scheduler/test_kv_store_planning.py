@@ -1,4 +1,5 @@
-"""The planner with a kvstore: loads of stored prefixes, write-through saves, aborts and losses mid-load, swap."""
+"""The planner with a kvstore: loads of stored prefixes, write-through and selective saves, aborts and losses
+mid-load, swap."""
 
 from __future__ import annotations
 
@@ -13,9 +14,13 @@ from tests.support.planner import make_planner
 FORMAT = "meshserve-kv1:" + "0" * 64
 
 
-def make_sched(num_blocks: int = 64, swap: bool = False, max_num_batched_tokens: int = 64) -> WorkerScheduler:
+def make_sched(
+    num_blocks: int = 64, swap: bool = False, max_num_batched_tokens: int = 64, save_on_reuse: bool = False
+) -> WorkerScheduler:
     return make_planner(
-        num_blocks=num_blocks, max_num_batched_tokens=max_num_batched_tokens, kv_store=KVStoreUse(FORMAT, swap=swap)
+        num_blocks=num_blocks,
+        max_num_batched_tokens=max_num_batched_tokens,
+        kv_store=KVStoreUse(FORMAT, swap=swap, save_on_reuse=save_on_reuse),
     )
 
 
@@ -54,6 +59,70 @@ def test_saves_are_the_full_blocks_each_step_completes() -> None:
     full = (len(PROMPT) + len(out) - 1) // BS
     assert len(store) == full
     assert set(request.get_block_hashes(BS)[:8]) <= store
+
+
+def _saves(steps: list[worker_pb2.Step]) -> list[tuple[int, bytes]]:
+    return [(b.block_id, b.block_hash) for s in steps for b in s.kv_saves]
+
+
+def test_selective_saves_a_block_the_first_time_a_request_reuses_it() -> None:
+    sched = make_sched(save_on_reuse=True)
+    worker = FakeWorker(store=set())
+    first = make_req("first", PROMPT)
+    sched.waiting.append(first)
+    assert _saves(run(sched, worker)) == [], "a prompt seen once costs the store nothing"
+    hashes = first.get_block_hashes(BS)[:8]
+    cached = [sched.kv.pool.get_cached_block(h) for h in hashes]
+    assert all(b is not None for b in cached)
+
+    # Two requests reuse the prefix in one step: its blocks are saved once, by that step, where they lie.
+    again = [make_req(f"again{i}", PROMPT) for i in range(2)]
+    for request in again:
+        sched.waiting.append(request)
+    steps = run(sched, worker)
+    assert len(steps[0].new_requests) == 2
+    assert _saves(steps[:1]) == [(b.block_id, h) for b, h in zip(cached, hashes, strict=True) if b is not None]
+    assert _saves(steps[1:]) == []
+    assert [r.output_token_ids for r in again] == [first.output_token_ids] * 2
+
+    third = make_req("third", PROMPT)
+    sched.waiting.append(third)
+    assert _saves(run(sched, worker)) == [], "already in the store"
+    assert sched.stats().kv_store_saves == 8
+
+
+def test_selective_does_not_save_blocks_that_came_from_the_store() -> None:
+    _, store = stored_everywhere(PROMPT)
+    sched = make_sched(save_on_reuse=True)
+    worker = FakeWorker(store=store)
+    loaded = make_req("loaded", PROMPT)
+    loaded.stored_blocks[FORMAT] = 8
+    sched.waiting.append(loaded)
+    run(sched, worker)
+    assert sched.stats().kv_store_loaded_tokens == 8 * BS
+    reuse = make_req("reuse", PROMPT)
+    sched.waiting.append(reuse)
+    steps = run(sched, worker)
+    assert reuse.num_cached_tokens == 8 * BS and _saves(steps) == []
+
+
+def test_a_block_evicted_and_recomputed_is_saved_again_on_reuse() -> None:
+    sched = make_sched(num_blocks=12, save_on_reuse=True)
+    worker = FakeWorker(store=set())
+    prompt = PROMPT[: 2 * BS + 1]
+    for name in ("a", "b"):
+        sched.waiting.append(make_req(name, prompt, max_tokens=1))
+        run(sched, worker)
+    assert sched.stats().kv_store_saves == 2
+    # Fill the pool with other prompts: the prefix's blocks are evicted and their flags go with them.
+    for i in range(4):
+        sched.waiting.append(make_req(f"fill{i}", list(range(300 + 20 * i, 300 + 20 * i + 3 * BS)), max_tokens=1))
+        run(sched, worker)
+    assert sched.kv.pool.get_cached_block(make_req("x", prompt).get_block_hashes(BS)[0]) is None
+    for name in ("c", "d"):
+        sched.waiting.append(make_req(name, prompt, max_tokens=1))
+        run(sched, worker)
+    assert sched.stats().kv_store_saves == 4
 
 
 @pytest.mark.parametrize("load_delay", [0, 3])

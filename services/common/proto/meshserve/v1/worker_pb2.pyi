@@ -442,9 +442,11 @@ class Step(_message.Message):
 
     @_builtins.property
     def kv_saves(self) -> _containers.RepeatedCompositeFieldContainer[Global___KVBlockRef]:
-        """Full blocks whose KV this step completes: after computing the step the
-        worker copies them and writes them to the kvstore in the background
-        (dropped, and counted, when its save queue is full).
+        """Full blocks to save: those whose KV this step completes (the scheduler's
+        --kv-store-write-policy write-through), or cached blocks a request of
+        this step reuses for the first time (write-through-selective). After
+        computing the step the worker copies them and writes them to the kvstore
+        in the background (dropped, and counted, when its save queue is full).
         """
 
     def __init__(
