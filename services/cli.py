@@ -6,10 +6,19 @@ import argparse
 import asyncio
 import sys
 from collections.abc import Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import ValidationError
 
 from services.client.exit_codes import INTERRUPTED
-from services.common.settings import add_settings_arguments, settings_from_args
+from services.common.settings import (
+    ServiceSettings,
+    add_settings_arguments,
+    describe_settings_error,
+    settings_from_args,
+)
+
+S = TypeVar("S", bound=ServiceSettings)
 
 
 def _build_parser() -> argparse.ArgumentParser:
@@ -50,6 +59,15 @@ def _build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _settings(cls: type[S], ns: argparse.Namespace) -> S:
+    """A service's settings, or argparse's usage-error exit (status 2) naming the flag and what is wrong."""
+    try:
+        return settings_from_args(cls, ns)
+    except ValidationError as err:
+        print(f"meshserve {ns.verb}: error: {describe_settings_error(err)}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _run(coro: Coroutine[Any, Any, int | None]) -> int:
     try:
         return asyncio.run(coro) or 0
@@ -71,22 +89,22 @@ def main(argv: list[str] | None = None) -> None:
         from services.gateway.server import serve as serve_gateway
         from services.gateway.settings import GatewaySettings
 
-        runners["gateway"] = lambda: serve_gateway(settings_from_args(GatewaySettings, ns))
+        runners["gateway"] = lambda: serve_gateway(_settings(GatewaySettings, ns))
     elif ns.verb == "scheduler":
         from services.scheduler.server import serve as serve_scheduler
         from services.scheduler.settings import SchedulerSettings
 
-        runners["scheduler"] = lambda: serve_scheduler(settings_from_args(SchedulerSettings, ns))
+        runners["scheduler"] = lambda: serve_scheduler(_settings(SchedulerSettings, ns))
     elif ns.verb == "worker":
         from services.worker.server import serve as serve_worker
         from services.worker.settings import WorkerSettings
 
-        runners["worker"] = lambda: serve_worker(settings_from_args(WorkerSettings, ns))
+        runners["worker"] = lambda: serve_worker(_settings(WorkerSettings, ns))
     elif ns.verb == "kvstore":
         from services.kvstore.server import serve as serve_kvstore
         from services.kvstore.settings import KVStoreSettings
 
-        runners["kvstore"] = lambda: serve_kvstore(settings_from_args(KVStoreSettings, ns))
+        runners["kvstore"] = lambda: serve_kvstore(_settings(KVStoreSettings, ns))
     else:
         from services.client import commands, up
         from services.client.bench import command

@@ -13,7 +13,7 @@ import types
 import typing
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "MESHSERVE_"
@@ -126,3 +126,17 @@ def settings_from_args(cls: type[S], namespace: argparse.Namespace) -> S:
     """Build settings from parsed flags (which override MESHSERVE_* variables)."""
     given = {k: v for k, v in vars(namespace).items() if k in cls.model_fields}
     return cls(**given)
+
+
+def describe_settings_error(err: ValidationError) -> str:
+    """A refused setting as its flag and variable and what is wrong, for a one-line exit message (a traceback
+    names pydantic's internals, not what to change)."""
+    parts = []
+    for error in err.errors():
+        message = str(error["msg"]).removeprefix("Value error, ")
+        loc = error["loc"]
+        if loc and isinstance(loc[0], str):
+            # A whole-settings check names its flags in its message; a field's error needs its name added.
+            message = f"{_flag(loc[0])} (env {ENV_PREFIX}{loc[0].upper()}): {message}"
+        parts.append(message)
+    return "; ".join(parts)

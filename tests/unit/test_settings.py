@@ -7,6 +7,7 @@ import argparse
 import pytest
 from pydantic import ValidationError
 
+from services import cli
 from services.common.byte_sizes import parse_size
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.scheduler.settings import SchedulerSettings
@@ -123,3 +124,25 @@ def test_structured_flags_take_one_json_object(monkeypatch: pytest.MonkeyPatch) 
     for text in ("num_speculative_tokens=3", "[3]"):
         with pytest.raises(SystemExit):
             _parse(SchedulerSettings, ["--speculative-config", text])
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["scheduler", "--max-num-seqs", "0"],
+         "meshserve scheduler: error: --max-num-seqs (env MESHSERVE_MAX_NUM_SEQS): Input should be greater than"),
+        (["scheduler", "--preemption-mode", "swap", "--kv-store-write-policy", "write-through-selective"],
+         "meshserve scheduler: error: --preemption-mode swap resumes a preempted request"),
+        (["worker", "--pp-layer-partition", "8,0"],
+         "meshserve worker: error: --pp-layer-partition (env MESHSERVE_PP_LAYER_PARTITION): --pp-layer-partition 8,0"),
+    ],
+)  # fmt: skip
+def test_a_service_refuses_bad_settings_as_a_usage_error(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """argparse's exit (status 2) with the flag and the fix on one line, not pydantic's traceback."""
+    with pytest.raises(SystemExit) as info:
+        cli.main(argv)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(message) and "Traceback" not in err and "pydantic" not in err
