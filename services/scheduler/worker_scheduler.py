@@ -334,9 +334,10 @@ class WorkerScheduler:
             # requeued request, or another worker, finds them there later). Selective: the cached blocks this
             # step's admissions reuse for the first time (their KV was written by an earlier step, which the
             # worker computed first).
-            saves, self._reused_unsaved = (
-                (self._reused_unsaved, []) if self.kv_store.save_on_reuse else (newly_cached, self._reused_unsaved)
-            )
+            if self.kv_store.save_on_reuse:
+                saves, self._reused_unsaved = self._reused_unsaved, []
+            else:
+                saves = newly_cached
             for block in saves:
                 if block.block_hash is not None:
                     block.saved = True

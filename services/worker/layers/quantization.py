@@ -240,13 +240,9 @@ class QuantizedMatmul:
     bind: KernelBinder
     max_rows: int
     dense: torch.Tensor | None = None
+    # x [rows, in] -> [rows, out] through the platform's kernel on this weight (steps of up to max_rows rows).
+    run: BoundKernel = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         # The kernel with this weight bound, decided once (frozen: set through object.__setattr__).
         object.__setattr__(self, "run", self.bind(self.weight))
-
-    # x [rows, in] -> [rows, out] through the platform's kernel on this weight (steps of up to max_rows rows).
-    run: BoundKernel = field(init=False, repr=False, compare=False)
-
-    def applies(self, num_rows: int) -> bool:
-        return num_rows <= self.max_rows
