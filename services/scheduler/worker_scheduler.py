@@ -27,8 +27,8 @@ STEP_NEW_REQUEST_BYTES = MAX_MESSAGE_BYTES // 2
 # Upper bound of one token id on the wire (a varint of an int32 id) and of a NewRequest's other fields.
 _TOKEN_BYTES = 5
 _NEW_REQUEST_OVERHEAD = 1024
-# Upper bound of one KVBlockRef of a KVLoad on the wire (a 32-byte hash, a block id, tags and lengths).
-_LOAD_BLOCK_BYTES = 48
+# Upper bound of one KVBlockRef (of a KVLoad, or a save) on the wire (a 32-byte hash, a block id, tags and lengths).
+_BLOCK_REF_BYTES = 48
 
 
 def new_request_bytes(request: Request) -> int:
@@ -301,7 +301,7 @@ class WorkerScheduler:
                 if num_load:
                     # The stored blocks beyond the local prefix load into reserved blocks, off the step
                     # path; the request runs once the worker says which arrived.
-                    load_bytes = _NEW_REQUEST_OVERHEAD + _LOAD_BLOCK_BYTES * num_load
+                    load_bytes = _NEW_REQUEST_OVERHEAD + _BLOCK_REF_BYTES * (num_load + self._num_new_saves(hits))
                     if new_bytes + load_bytes > STEP_NEW_REQUEST_BYTES:
                         break
                     num_new = num_load * self.block_size
@@ -313,6 +313,10 @@ class WorkerScheduler:
                     self._note_reuse(hits)
                     self._begin_load(request, len(hits), num_load)
                     continue
+                # Under save_on_reuse the step also lists the hits not yet stored: they count against its size.
+                size += _BLOCK_REF_BYTES * self._num_new_saves(hits)
+                if planned_new and new_bytes + size > STEP_NEW_REQUEST_BYTES:
+                    break
                 num_new = self._chunk(request.num_tokens - num_hit, budget)
                 new_ids = self.kv.allocate_slots(request, num_new, hits)
                 if new_ids is None:
@@ -349,6 +353,12 @@ class WorkerScheduler:
         self._pending_removals = []
         self._commit(planned_running + planned_new, step.step_id)
         return step
+
+    def _num_new_saves(self, hits: list[Block]) -> int:
+        """How many saves admitting a request with these hits adds to the step (under save_on_reuse)."""
+        if self.kv_store is None or not self.kv_store.save_on_reuse:
+            return 0
+        return sum(1 for block in hits if not block.saved)
 
     def _note_reuse(self, hits: list[Block]) -> None:
         """Under save_on_reuse, queue the hit blocks not yet in the store for the step being planned."""

@@ -6,8 +6,9 @@ from __future__ import annotations
 import pytest
 
 from services.common.proto.meshserve.v1 import sampling_pb2, worker_pb2
+from services.scheduler import worker_scheduler
 from services.scheduler.request import Request, RequestStatus
-from services.scheduler.worker_scheduler import KVStoreUse, WorkerScheduler
+from services.scheduler.worker_scheduler import KVStoreUse, WorkerScheduler, new_request_bytes
 from tests.support.fake_worker import BS, FakeWorker
 from tests.support.planner import make_planner
 
@@ -89,6 +90,25 @@ def test_selective_saves_a_block_the_first_time_a_request_reuses_it() -> None:
     sched.waiting.append(third)
     assert _saves(run(sched, worker)) == [], "already in the store"
     assert sched.stats().kv_store_saves == 8
+
+
+def test_selective_saves_count_against_the_step_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two admissions whose NewRequests fit the step's byte budget, but not with their hits' saves: the second
+    waits a step, so a step with saves still fits the worker's message cap."""
+    sched = make_sched(save_on_reuse=True)
+    worker = FakeWorker(store=set())
+    prompts = [PROMPT, [t + 100 for t in PROMPT]]
+    for i, prompt in enumerate(prompts):
+        sched.waiting.append(make_req(f"warm{i}", prompt))
+    run(sched, worker)
+    again = [make_req(f"again{i}", prompt) for i, prompt in enumerate(prompts)]
+    size = new_request_bytes(again[0])
+    monkeypatch.setattr(worker_scheduler, "STEP_NEW_REQUEST_BYTES", 2 * size + 100)
+    for request in again:
+        sched.waiting.append(request)
+    steps = run(sched, worker)
+    assert [len(s.new_requests) for s in steps[:2]] == [1, 1]
+    assert [len(s.kv_saves) for s in steps[:2]] == [8, 8]
 
 
 def test_selective_does_not_save_blocks_that_came_from_the_store() -> None:
