@@ -6,8 +6,10 @@
 #include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <utility>
 
 namespace meshserve_kernels {
 
@@ -35,12 +37,54 @@ inline void to_float(const scalar_t* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
-// x <- float(scalar_t(x)), through tmp: the rounding a torch op applies when it writes a scalar_t tensor.
+// Two float vectors (2W elements) at a time, in registers: the unit the fused elementwise kernels work in
+// (one bf16/fp16 vector widens to two float ones). count < 2W reads and writes only that many elements
+// (a row's tail); lanes past it read as zero.
+constexpr int64_t kPair = 2 * fVec::size();
+
 template <typename scalar_t>
-inline void round_through(float* x, scalar_t* tmp, int64_t n) {
-  if constexpr (!std::is_same_v<scalar_t, float>) {
-    at::vec::convert(x, tmp, n);
-    at::vec::convert(tmp, x, n);
+inline std::pair<fVec, fVec> load_pair(const scalar_t* src, int64_t count = kPair) {
+  constexpr int64_t W = fVec::size();
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (count >= kPair) return {fVec::loadu(src), fVec::loadu(src + W)};
+    return {fVec::loadu(src, std::min(count, W)), count > W ? fVec::loadu(src + W, count - W) : fVec(0.f)};
+  } else {
+    using rVec = at::vec::Vectorized<scalar_t>;
+    const rVec v = count >= kPair ? rVec::loadu(src) : rVec::loadu(src, count);
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(v);
+    return {lo, hi};
+  }
+}
+
+template <typename scalar_t>
+inline void store_pair(scalar_t* dst, const fVec& lo, const fVec& hi, int64_t count = kPair) {
+  constexpr int64_t W = fVec::size();
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (count >= kPair) {
+      lo.store(dst);
+      hi.store(dst + W);
+    } else {
+      lo.store(dst, std::min(count, W));
+      if (count > W) hi.store(dst + W, count - W);
+    }
+  } else {
+    const auto v = at::vec::convert_from_float<scalar_t>(lo, hi);
+    if (count >= kPair) {
+      v.store(dst);
+    } else {
+      v.store(dst, count);
+    }
+  }
+}
+
+// Both vectors rounded through scalar_t, in registers (round_through's rounding).
+template <typename scalar_t>
+inline std::pair<fVec, fVec> round_pair(const fVec& lo, const fVec& hi) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return {lo, hi};
+  } else {
+    auto [a, b] = at::vec::convert_to_float<scalar_t>(at::vec::convert_from_float<scalar_t>(lo, hi));
+    return {a, b};
   }
 }
 

@@ -30,6 +30,10 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
+#if defined(__AMX_TILE__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 namespace {
 
@@ -392,10 +396,15 @@ class Bf16DotOperands {
   // K: 32-bit words (d pairs) gathered across the W rows, one vector per pair. V: two keys' rows interleaved
   // element by element (vpermt2w), 32 elements at a time.
   void load_chunk(int c, const at::BFloat16* k, const at::BFloat16* v, int64_t row_stride, int64_t valid) {
+    load_chunk_into(kt_.data() + c * D2 * W, v_.data() + c * W / 2 * D, k, v, row_stride, valid);
+  }
+
+  // Chunk c's K into kt_c ([D/2][W] words) and V into v_c ([W/2][D] words); AmxOperands packs the same way.
+  static void load_chunk_into(uint32_t* kt_c, uint32_t* v_c, const at::BFloat16* k, const at::BFloat16* v,
+                              int64_t row_stride, int64_t valid) {
     const __mmask16 rows = valid >= W ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
     const __m512i row_words = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_stride / 2));
-    uint32_t* kt_c = kt_.data() + c * D2 * W;
     const int* k_words = reinterpret_cast<const int*>(k);
     for (int64_t d = 0; d < D2; ++d)
       _mm512_storeu_si512(kt_c + d * W, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, row_words,
@@ -410,7 +419,7 @@ class Bf16DotOperands {
       const int64_t first = 2 * pair;
       const at::BFloat16* a = v + first * row_stride;
       const at::BFloat16* b = a + row_stride;
-      uint32_t* dst = v_.data() + (c * W / 2 + pair) * D;
+      uint32_t* dst = v_c + pair * D;
       for (int64_t j = 0; j < D; j += 32) {
         const __m512i va = first < valid ? _mm512_loadu_si512(a + j) : _mm512_setzero_si512();
         const __m512i vb = first + 1 < valid ? _mm512_loadu_si512(b + j) : _mm512_setzero_si512();
@@ -467,6 +476,148 @@ class Bf16DotOperands {
   float scale_;
   std::vector<uint32_t> q_, kt_, v_, p_;
 };
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define MESHSERVE_AMX 1
+// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once; false sends prefills to the
+// vdpbf16ps operands.
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// The bf16 operands on AMX tiles (Sapphire Rapids and later Xeons): one tdpbf16ps multiplies a 16 x 32
+// bf16 tile by a 32 x 16 one into 16 x 16 float32 sums, 16 times a vdpbf16ps's work. Blocks of 16 query
+// rows; the layouts are Bf16DotOperands' (K as [D/2][W] words, V as [key pair][D] words), which are the
+// tiles' own: a B tile's row is 16 columns of bf16 pairs along the sum. Scores come out of the tiles
+// through a float buffer, and so does each step's weighted sum, which is added to the rows' accumulators
+// after their correction (an accumulator tile cannot be rescaled in place). Tiles: 0-3 sums, 4 the A
+// operand, 6 and 7 the B operands, every one 16 rows of 64 bytes.
+template <int NV>
+class AmxOperands {
+ public:
+  static constexpr int64_t W = 16;
+  static constexpr int64_t D = NV * W, D2 = D / 2;
+  static constexpr int R = 16;
+  static constexpr int64_t kStride = 64;  // bytes in a tile row
+  static_assert(fVec::size() == W && kKeyVecs == 4 && NV % 4 == 0);
+
+  AmxOperands(int64_t padded_rows, float scale)
+      : scale_(scale), q_(padded_rows * D2, 0), kt_(kKeyVecs * D2 * W), v_(kKeyVecs * W / 2 * D),
+        p_(R * kKeyVecs * W / 2), out_(R * kKeyVecs * W) {
+    TileConfig config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = kStride;
+      config.rows[t] = R;
+    }
+    _tile_loadconfig(&config);
+  }
+  ~AmxOperands() { _tile_release(); }
+  AmxOperands(const AmxOperands&) = delete;
+  AmxOperands& operator=(const AmxOperands&) = delete;
+
+  void load_queries(int64_t first_row, const at::BFloat16* q_rows, int64_t rows) {
+    std::memcpy(q_.data() + first_row * D2, q_rows, rows * D * sizeof(at::BFloat16));
+  }
+
+  void load_chunk(int c, const at::BFloat16* k, const at::BFloat16* v, int64_t row_stride, int64_t valid) {
+    Bf16DotOperands<NV>::load_chunk_into(kt_.data() + c * D2 * W, v_.data() + c * W / 2 * D, k, v, row_stride, valid);
+  }
+
+  // Rows r0..r0+15 against the step's four chunks: chunk c's sums in tile c, 32 of D at a time.
+  void scores(int64_t r0, fVec (&s)[R][kKeyVecs]) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint32_t* q = q_.data() + r0 * D2;
+    for (int64_t d = 0; d < D2; d += W) {  // 16 words (32 elements) of the sum a tile
+      _tile_loadd(4, q + d, D * sizeof(at::BFloat16));
+      _tile_loadd(6, kt_.data() + (0 * D2 + d) * W, kStride);
+      _tile_loadd(7, kt_.data() + (1 * D2 + d) * W, kStride);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_loadd(6, kt_.data() + (2 * D2 + d) * W, kStride);
+      _tile_loadd(7, kt_.data() + (3 * D2 + d) * W, kStride);
+      _tile_dpbf16ps(2, 4, 6);
+      _tile_dpbf16ps(3, 4, 7);
+    }
+    constexpr int64_t row = kKeyVecs * W * sizeof(float);
+    float* out = out_.data();
+    _tile_stored(0, out, row);
+    _tile_stored(1, out + W, row);
+    _tile_stored(2, out + 2 * W, row);
+    _tile_stored(3, out + 3 * W, row);
+    const fVec scale(scale_);
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < kKeyVecs; ++c) s[r][c] = fVec::loadu(out + (r * kKeyVecs + c) * W) * scale;
+  }
+
+  // acc (16 rows of D) = acc * correction + p . v over the step's keys: 64 output columns (four tiles) at a
+  // time, 32 keys (16 pairs) a tile of p.
+  void values(const float* p, int64_t p_stride, int64_t keys, const float* correction, float* acc) {
+    constexpr int64_t kPairsPerRow = kKeyVecs * W / 2;
+    for (int r = 0; r < R; ++r) {
+      for (int64_t k = 0; k < kKeyVecs * W; k += W) {
+        const __m512 probs = k < keys ? _mm512_loadu_ps(p + r * p_stride + k) : _mm512_setzero_ps();
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_.data() + r * kPairsPerRow + k / 2),
+                            (__m256i)(_mm512_cvtneps_pbh(probs)));
+      }
+    }
+    const int64_t pair_tiles = (keys + 2 * W - 1) / (2 * W);
+    for (int64_t j0 = 0; j0 < D; j0 += 4 * W) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < pair_tiles; ++t) {
+        _tile_loadd(4, p_.data() + t * W, kPairsPerRow * sizeof(uint32_t));
+        const uint32_t* v = v_.data() + t * W * D + j0;
+        _tile_loadd(6, v, D * sizeof(uint32_t));
+        _tile_loadd(7, v + W, D * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_loadd(6, v + 2 * W, D * sizeof(uint32_t));
+        _tile_loadd(7, v + 3 * W, D * sizeof(uint32_t));
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_dpbf16ps(3, 4, 7);
+      }
+      constexpr int64_t row = 4 * W * sizeof(float);
+      float* out = out_.data();
+      _tile_stored(0, out, row);
+      _tile_stored(1, out + W, row);
+      _tile_stored(2, out + 2 * W, row);
+      _tile_stored(3, out + 3 * W, row);
+      for (int r = 0; r < R; ++r) {
+        const __m512 c = _mm512_set1_ps(correction[r]);
+        for (int j = 0; j < 4; ++j) {
+          float* a = acc + r * D + j0 + j * W;
+          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), c, _mm512_loadu_ps(out + (r * 4 + j) * W)));
+        }
+      }
+    }
+  }
+
+ private:
+  // ldtilecfg's 64-byte operand: palette 1, then each tile's bytes a row and rows.
+  struct TileConfig {
+    uint8_t palette_id;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  };
+
+  float scale_;
+  std::vector<uint32_t> q_, kt_, v_, p_;
+  std::vector<float> out_;
+};
+#endif
 #endif
 
 // Lane-wise and whole-vector max and sum for the online softmax. Scores hold no NaN (unused slots' keys are
@@ -633,6 +784,14 @@ template <typename scalar_t, int NV>
 void prefill_attention_for(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables, const at::Tensor& seq_lens,
                            const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+#if defined(MESHSERVE_AMX)
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && NV % 4 == 0) {
+    if (amx_permitted()) {
+      return prefill_attention_impl<scalar_t, AmxOperands<NV>>(q, k_cache, v_cache, block_tables, seq_lens,
+                                                               query_start_loc, scale, out);
+    }
+  }
+#endif
 #if defined(MESHSERVE_BF16_DOT)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
     return prefill_attention_impl<scalar_t, Bf16DotOperands<NV>>(q, k_cache, v_cache, block_tables, seq_lens,
@@ -641,6 +800,16 @@ void prefill_attention_for(const at::Tensor& q, const at::Tensor& k_cache, const
 #endif
   prefill_attention_impl<scalar_t, WidenedOperands<scalar_t, NV>>(q, k_cache, v_cache, block_tables, seq_lens,
                                                                    query_start_loc, scale, out);
+}
+
+// Whether bf16 prefill chunks multiply on AMX tiles here: built for them and granted by the kernel. The CPU
+// platform sends fewer chunks to torch's SDPA when they do (platforms/cpu.py).
+bool prefill_attention_on_amx() {
+#if defined(MESHSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
 }
 
 // Whole float vectors per head and per KV block (a chunk of W keys never straddles two blocks).
@@ -683,19 +852,6 @@ at::Tensor paged_prefill_attention(const at::Tensor& q, const at::Tensor& k_cach
 
 // -------------------------------------------------------------------------------------------- RMSNorm
 
-// One row of rms_norm in place on x (float): weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), rounded as
-// norm.rms_norm rounds it, written to out.
-template <typename scalar_t>
-inline void rms_norm_row(float* x, const float* w, scalar_t* out, scalar_t* tmp, int64_t n, float eps) {
-  const float sq = at::vec::map_reduce_all<float>([](fVec v) { return v * v; },
-                                                  [](fVec a, fVec b) { return a + b; }, x, n);
-  const fVec r(1.f / std::sqrt(sq / static_cast<float>(n) + eps));
-  at::vec::map([&](fVec v) { return v * r; }, x, x, n);
-  round_through(x, tmp, n);
-  at::vec::map2([](fVec v, fVec wv) { return v * wv; }, x, x, w, n);
-  at::vec::convert(x, out, n);
-}
-
 template <typename scalar_t>
 std::vector<float> floats_of(const at::Tensor& t) {
   std::vector<float> out(t.numel());
@@ -722,18 +878,34 @@ void norm_rows(const at::Tensor& x, const at::Tensor* residual, const at::Tensor
     const std::vector<float> w = floats_of<scalar_t>(wc);
     scalar_t* op = out.data_ptr<scalar_t>();
     scalar_t* np = new_residual != nullptr ? new_residual->data_ptr<scalar_t>() : nullptr;
+    // Two passes over a row, a pair of vectors at a time: the (rounded) sum and its squares, then the scaled,
+    // rounded, weighted output. The row waits in a float buffer (L1) between them.
     at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
-      std::vector<float> row(n), res(rp != nullptr ? n : 0);
-      std::vector<scalar_t> tmp(n);
+      std::vector<float> row(n + kPair);
       for (int64_t r = begin; r < end; ++r) {
-        to_float(xp + r * n, row.data(), n);
-        if (rp != nullptr) {
-          to_float(rp + r * n, res.data(), n);
-          at::vec::map2([](fVec a, fVec b) { return a + b; }, row.data(), row.data(), res.data(), n);
-          at::vec::convert(row.data(), np + r * n, n);
-          to_float(np + r * n, row.data(), n);
+        fVec sq0(0.f), sq1(0.f);
+        for (int64_t j = 0; j < n; j += kPair) {
+          const int64_t count = std::min(kPair, n - j);
+          auto [a, b] = load_pair(xp + r * n + j, count);
+          if (rp != nullptr) {
+            const auto [ra, rb] = load_pair(rp + r * n + j, count);
+            std::tie(a, b) = round_pair<scalar_t>(a + ra, b + rb);  // the reference's add rounds
+            store_pair(np + r * n + j, a, b, count);
+          }
+          a.store(row.data() + j);
+          b.store(row.data() + j + fVec::size());
+          sq0 = at::vec::fmadd(a, a, sq0);
+          sq1 = at::vec::fmadd(b, b, sq1);
         }
-        rms_norm_row<scalar_t>(row.data(), w.data(), op + r * n, tmp.data(), n, static_cast<float>(eps));
+        const float sq = sum_of(sq0 + sq1);
+        const fVec scale(1.f / std::sqrt(sq / static_cast<float>(n) + static_cast<float>(eps)));
+        for (int64_t j = 0; j < n; j += kPair) {
+          const int64_t count = std::min(kPair, n - j);
+          const auto [a, b] = round_pair<scalar_t>(fVec::loadu(row.data() + j) * scale,
+                                                   fVec::loadu(row.data() + j + fVec::size()) * scale);
+          const auto [wa, wb] = load_pair(w.data() + j, count);
+          store_pair(op + r * n + j, a * wa, b * wb, count);
+        }
       }
     });
   });
@@ -769,17 +941,20 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   dispatch_dtype(in.scalar_type(), "silu_and_mul", [&]<typename scalar_t>() {
     const scalar_t* ip = in.data_ptr<scalar_t>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    // F.silu's own formula, and its rounding to the dtype before the multiply; one pass, in registers.
+    const auto silu = [](const fVec& x) { return x / (fVec(1.f) + x.neg().exp()); };
     at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
-      std::vector<float> silu(n), up(n);
-      std::vector<scalar_t> tmp(n);
       for (int64_t r = begin; r < end; ++r) {
-        to_float(ip + r * 2 * n, silu.data(), n);
-        to_float(ip + r * 2 * n + n, up.data(), n);
-        // F.silu's own formula, and its rounding to the dtype before the multiply.
-        at::vec::map([](fVec x) { return x / (fVec(1.f) + x.neg().exp()); }, silu.data(), silu.data(), n);
-        round_through(silu.data(), tmp.data(), n);
-        at::vec::map2([](fVec a, fVec b) { return a * b; }, silu.data(), silu.data(), up.data(), n);
-        at::vec::convert(silu.data(), op + r * n, n);
+        const scalar_t* gate = ip + r * 2 * n;
+        const scalar_t* up = gate + n;
+        scalar_t* dst = op + r * n;
+        for (int64_t j = 0; j < n; j += kPair) {
+          const int64_t count = std::min(kPair, n - j);
+          const auto [g0, g1] = load_pair(gate + j, count);
+          const auto [u0, u1] = load_pair(up + j, count);
+          const auto [s0, s1] = round_pair<scalar_t>(silu(g0), silu(g1));
+          store_pair(dst + j, s0 * u0, s1 * u1, count);
+        }
       }
     });
   });
@@ -802,10 +977,46 @@ at::Tensor rotate(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& 
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   scalar_t* op = out.data_ptr<scalar_t>();
+  // Halves of whole vector pairs go a pair at a time: rotate_half only moves whole pairs then.
+  const bool paired = half % kPair == 0;
   at::parallel_for(0, tokens, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> rounded(2 * dim);  // the token's cos and sin, rounded to the dtype
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + t * dim;
       const float* s = sp + t * dim;
+      if (paired) {
+        for (int64_t d = 0; d < dim; d += kPair) {
+          const auto [c0, c1] = round_pair<scalar_t>(fVec::loadu(c + d), fVec::loadu(c + d + fVec::size()));
+          const auto [s0, s1] = round_pair<scalar_t>(fVec::loadu(s + d), fVec::loadu(s + d + fVec::size()));
+          c0.store(rounded.data() + d);
+          c1.store(rounded.data() + d + fVec::size());
+          s0.store(rounded.data() + dim + d);
+          s1.store(rounded.data() + dim + d + fVec::size());
+        }
+        const float* rc = rounded.data();
+        const float* rs = rounded.data() + dim;
+        const auto pair_at = [](const float* p) { return std::pair{fVec::loadu(p), fVec::loadu(p + fVec::size())}; };
+        for (int64_t h = 0; h < heads; ++h) {
+          const scalar_t* src = xp + t * st + h * sh;
+          scalar_t* dst = op + (t * heads + h) * dim;
+          for (int64_t d = 0; d < half; d += kPair) {
+            const auto [x0, x1] = load_pair(src + d);         // first half
+            const auto [y0, y1] = load_pair(src + half + d);  // second half
+            const auto [c0, c1] = pair_at(rc + d);
+            const auto [s0, s1] = pair_at(rs + d);
+            const auto [c2, c3] = pair_at(rc + half + d);
+            const auto [s2, s3] = pair_at(rs + half + d);
+            // out[d] = x[d] * cos[d] + (-x[d + half]) * sin[d]; out[d + half] = x[d + half] * cos + x[d] * sin.
+            const auto [a0, a1] = round_pair<scalar_t>(x0 * c0, x1 * c1);
+            const auto [b0, b1] = round_pair<scalar_t>(y0.neg() * s0, y1.neg() * s1);
+            store_pair(dst + d, a0 + b0, a1 + b1);
+            const auto [e0, e1] = round_pair<scalar_t>(y0 * c2, y1 * c3);
+            const auto [f0, f1] = round_pair<scalar_t>(x0 * s2, x1 * s3);
+            store_pair(dst + half + d, e0 + f0, e1 + f1);
+          }
+        }
+        continue;
+      }
       for (int64_t h = 0; h < heads; ++h) {
         const scalar_t* src = xp + t * st + h * sh;
         scalar_t* dst = op + (t * heads + h) * dim;
@@ -891,6 +1102,7 @@ TORCH_LIBRARY(meshserve_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "float scale) -> Tensor");
   m.def("decode_attention_supported(int head_dim, int group) -> bool", &decode_attention_supported);
+  m.def("prefill_attention_on_amx() -> bool", &prefill_attention_on_amx);
   m.def("paged_prefill_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
         "Tensor query_start_loc, float scale) -> Tensor");
   m.def("prefill_attention_supported(int head_dim, int block_size) -> bool", &prefill_attention_supported);

@@ -39,6 +39,8 @@ _X86_ISA_FLAGS = {
 # On an AVX512 CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later EPYCs) the
 # prefill attention takes its bf16 dot products (vdpbf16ps); the build is its own ISA, cached apart.
 _AVX512_BF16_FLAGS = ["-mavx512bf16"]
+# With AMX tiles too (Sapphire Rapids and later Xeons) the prefill attention multiplies on the tiles.
+_AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 _BASE_FLAGS = ["-O3", "-fopenmp"]
 
 log = structlog.get_logger()
@@ -60,6 +62,8 @@ def isa() -> tuple[str, list[str]]:
     if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _X86_ISA_FLAGS:
         return "portable", []
     if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
+        if torch.cpu._is_amx_tile_supported():
+            return "avx512_amx", _X86_ISA_FLAGS[capability] + _AVX512_BF16_FLAGS + _AMX_FLAGS
         return "avx512_bf16", _X86_ISA_FLAGS[capability] + _AVX512_BF16_FLAGS
     return capability.lower(), _X86_ISA_FLAGS[capability]
 

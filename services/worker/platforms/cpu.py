@@ -54,11 +54,16 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("bfloat16", ONEDNN_HALF): 4,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
-# prefill kernel on a chunk of this many causal query-key pairs and more (scripts/prefill_attention_bench.py
-# on the AMX Xeon: 1.9x on a 512-token prompt, 1.2x on 50 tokens after 992 cached, even at a 96-token
-# prompt; the kernel 1.5-2.4x on 32-64-token ones, where SDPA's per-sequence call and gather dominate).
-# Without AMX the kernel wins every shape (3.7-5.4x on the Zen 4 EPYC).
+# prefill kernel's vdpbf16ps path on a chunk of this many causal query-key pairs and more
+# (scripts/prefill_attention_bench.py on the AMX Xeon: 1.9x on a 512-token prompt, 1.2x on 50 tokens after
+# 992 cached, even at a 96-token prompt; the kernel 1.5-2.4x on 32-64-token ones, where SDPA's per-sequence
+# call and gather dominate). Without AMX the kernel wins every shape (3.7-5.4x on the Zen 4 EPYC).
 SDPA_PREFILL_PAIRS_AMX = 4096
+# Where the kernel multiplies on the AMX tiles itself (a library built with them, the tile state granted),
+# SDPA wins only from about a 1,024-token causal chunk (the same script: the kernel 1.3-1.7x SDPA at 128-512
+# tokens, 1.0-1.1x at 768-1,024, 0.81x at 2,048; 1.7x on 64 tokens after 1,000 cached, 2.5-2.8x on 32
+# prompts of 64).
+SDPA_PREFILL_PAIRS_AMX_TILES = 1024 * 1025 // 2
 
 
 def cpu_ops(kernels: str = "auto") -> Ops:
@@ -79,8 +84,17 @@ def cpu_ops(kernels: str = "auto") -> Ops:
             ) from error
         log.warning("cpu_kernels_unavailable", error=str(error), fallback="reference")
         return ReferenceOps(attention.HND)
-    amx = torch.cpu._is_amx_tile_supported()
-    return NativeCpuOps(attention.HND, sdpa_prefill_pairs=SDPA_PREFILL_PAIRS_AMX if amx else None)
+    return NativeCpuOps(attention.HND, sdpa_prefill_pairs=_sdpa_prefill_pairs())
+
+
+def _sdpa_prefill_pairs() -> int | None:
+    """The causal pairs from which a bf16 prefill chunk goes to torch's SDPA (None: never), by whether the CPU
+    and the loaded kernels have AMX tiles."""
+    if not torch.cpu._is_amx_tile_supported():
+        return None
+    if torch.ops.meshserve_cpu.prefill_attention_on_amx():
+        return SDPA_PREFILL_PAIRS_AMX_TILES
+    return SDPA_PREFILL_PAIRS_AMX
 
 
 @contextlib.contextmanager

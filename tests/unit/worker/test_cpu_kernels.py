@@ -243,13 +243,28 @@ def test_chunks_of_sdpa_prefill_pairs_and_more_go_to_torchs_sdpa(monkeypatch: py
     assert sdpa_lens == []
 
 
-def test_the_sdpa_threshold_is_set_where_the_cpu_has_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    ("amx", "tiles", "expected"),
+    [(True, True, "SDPA_PREFILL_PAIRS_AMX_TILES"), (True, False, "SDPA_PREFILL_PAIRS_AMX"), (False, False, None)],
+)
+def test_the_sdpa_threshold_is_set_by_where_the_cpu_and_the_kernel_have_amx(
+    monkeypatch: pytest.MonkeyPatch, amx: bool, tiles: bool, expected: str | None
+) -> None:
     from services.worker.platforms import cpu
 
-    for amx, expected in ((True, cpu.SDPA_PREFILL_PAIRS_AMX), (False, None)):
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        ops = cpu.cpu_ops("native")
-        assert isinstance(ops, NativeCpuOps) and ops.sdpa_prefill_pairs == expected
+    loader.load()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.ops.meshserve_cpu, "prefill_attention_on_amx", lambda: tiles)
+    ops = cpu.cpu_ops("native")
+    assert isinstance(ops, NativeCpuOps)
+    assert ops.sdpa_prefill_pairs == (getattr(cpu, expected) if expected else None)
+
+
+def test_the_kernel_multiplies_on_amx_tiles_where_it_was_built_for_them() -> None:
+    loader.load()
+    # A library built for the tiles gets the tile state from Linux (5.16 and later) and runs on them; any
+    # other build never does.
+    assert torch.ops.meshserve_cpu.prefill_attention_on_amx() is (loader.isa()[0] == "avx512_amx")
 
 
 def test_prefill_attention_falls_back_where_the_kernel_has_no_layout(native: NativeCpuOps) -> None:
@@ -463,15 +478,20 @@ def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.Monke
     assert loader.library_path(tmp_path) != path
 
 
-@pytest.mark.parametrize(("bf16", "expected"), [(True, "avx512_bf16"), (False, "avx512")])
-def test_an_avx512_cpu_with_bf16_dot_products_gets_a_build_of_its_own(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bf16: bool, expected: str
+@pytest.mark.parametrize(
+    ("bf16", "amx", "expected"),
+    [(True, True, "avx512_amx"), (True, False, "avx512_bf16"), (False, False, "avx512"), (False, True, "avx512")],
+)
+def test_an_avx512_cpu_with_bf16_dot_products_or_amx_gets_a_build_of_its_own(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bf16: bool, amx: bool, expected: str
 ) -> None:
     monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     name, flags = loader.isa()
     assert name == expected and ("-mavx512bf16" in flags) is bf16 and "-DCPU_CAPABILITY_AVX512" in flags
+    assert ("-mamx-tile" in flags) is (expected == "avx512_amx")
     assert f"-{expected}-" in loader.library_path(tmp_path).parent.name
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert loader.isa()[0] == "avx2"
