@@ -396,15 +396,10 @@ class Bf16DotOperands {
   // K: 32-bit words (d pairs) gathered across the W rows, one vector per pair. V: two keys' rows interleaved
   // element by element (vpermt2w), 32 elements at a time.
   void load_chunk(int c, const at::BFloat16* k, const at::BFloat16* v, int64_t row_stride, int64_t valid) {
-    load_chunk_into(kt_.data() + c * D2 * W, v_.data() + c * W / 2 * D, k, v, row_stride, valid);
-  }
-
-  // Chunk c's K into kt_c ([D/2][W] words) and V into v_c ([W/2][D] words); AmxOperands packs the same way.
-  static void load_chunk_into(uint32_t* kt_c, uint32_t* v_c, const at::BFloat16* k, const at::BFloat16* v,
-                              int64_t row_stride, int64_t valid) {
     const __mmask16 rows = valid >= W ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
     const __m512i row_words = _mm512_mullo_epi32(
         _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_stride / 2));
+    uint32_t* kt_c = kt_.data() + c * D2 * W;
     const int* k_words = reinterpret_cast<const int*>(k);
     for (int64_t d = 0; d < D2; ++d)
       _mm512_storeu_si512(kt_c + d * W, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), rows, row_words,
@@ -419,7 +414,7 @@ class Bf16DotOperands {
       const int64_t first = 2 * pair;
       const at::BFloat16* a = v + first * row_stride;
       const at::BFloat16* b = a + row_stride;
-      uint32_t* dst = v_c + pair * D;
+      uint32_t* dst = v_.data() + (c * W / 2 + pair) * D;
       for (int64_t j = 0; j < D; j += 32) {
         const __m512i va = first < valid ? _mm512_loadu_si512(a + j) : _mm512_setzero_si512();
         const __m512i vb = first + 1 < valid ? _mm512_loadu_si512(b + j) : _mm512_setzero_si512();
@@ -490,133 +485,6 @@ bool amx_permitted() {
   return permitted;
 }
 
-// The bf16 operands on AMX tiles (Sapphire Rapids and later Xeons): one tdpbf16ps multiplies a 16 x 32
-// bf16 tile by a 32 x 16 one into 16 x 16 float32 sums, 16 times a vdpbf16ps's work. Blocks of 16 query
-// rows; the layouts are Bf16DotOperands' (K as [D/2][W] words, V as [key pair][D] words), which are the
-// tiles' own: a B tile's row is 16 columns of bf16 pairs along the sum. Scores come out of the tiles
-// through a float buffer, and so does each step's weighted sum, which is added to the rows' accumulators
-// after their correction (an accumulator tile cannot be rescaled in place). Tiles: 0-3 sums, 4 the A
-// operand, 6 and 7 the B operands, every one 16 rows of 64 bytes.
-template <int NV>
-class AmxOperands {
- public:
-  static constexpr int64_t W = 16;
-  static constexpr int64_t D = NV * W, D2 = D / 2;
-  static constexpr int R = 16;
-  static constexpr int64_t kStride = 64;  // bytes in a tile row
-  static_assert(fVec::size() == W && kKeyVecs == 4 && NV % 4 == 0);
-
-  AmxOperands(int64_t padded_rows, float scale)
-      : scale_(scale), q_(padded_rows * D2, 0), kt_(kKeyVecs * D2 * W), v_(kKeyVecs * W / 2 * D),
-        p_(R * kKeyVecs * W / 2), out_(R * kKeyVecs * W) {
-    TileConfig config{};
-    config.palette_id = 1;
-    for (int t = 0; t < 8; ++t) {
-      config.colsb[t] = kStride;
-      config.rows[t] = R;
-    }
-    _tile_loadconfig(&config);
-  }
-  ~AmxOperands() { _tile_release(); }
-  AmxOperands(const AmxOperands&) = delete;
-  AmxOperands& operator=(const AmxOperands&) = delete;
-
-  void load_queries(int64_t first_row, const at::BFloat16* q_rows, int64_t rows) {
-    std::memcpy(q_.data() + first_row * D2, q_rows, rows * D * sizeof(at::BFloat16));
-  }
-
-  void load_chunk(int c, const at::BFloat16* k, const at::BFloat16* v, int64_t row_stride, int64_t valid) {
-    Bf16DotOperands<NV>::load_chunk_into(kt_.data() + c * D2 * W, v_.data() + c * W / 2 * D, k, v, row_stride, valid);
-  }
-
-  // Rows r0..r0+15 against the step's four chunks: chunk c's sums in tile c, 32 of D at a time.
-  void scores(int64_t r0, fVec (&s)[R][kKeyVecs]) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    const uint32_t* q = q_.data() + r0 * D2;
-    for (int64_t d = 0; d < D2; d += W) {  // 16 words (32 elements) of the sum a tile
-      _tile_loadd(4, q + d, D * sizeof(at::BFloat16));
-      _tile_loadd(6, kt_.data() + (0 * D2 + d) * W, kStride);
-      _tile_loadd(7, kt_.data() + (1 * D2 + d) * W, kStride);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_loadd(6, kt_.data() + (2 * D2 + d) * W, kStride);
-      _tile_loadd(7, kt_.data() + (3 * D2 + d) * W, kStride);
-      _tile_dpbf16ps(2, 4, 6);
-      _tile_dpbf16ps(3, 4, 7);
-    }
-    constexpr int64_t row = kKeyVecs * W * sizeof(float);
-    float* out = out_.data();
-    _tile_stored(0, out, row);
-    _tile_stored(1, out + W, row);
-    _tile_stored(2, out + 2 * W, row);
-    _tile_stored(3, out + 3 * W, row);
-    const fVec scale(scale_);
-    for (int r = 0; r < R; ++r)
-      for (int c = 0; c < kKeyVecs; ++c) s[r][c] = fVec::loadu(out + (r * kKeyVecs + c) * W) * scale;
-  }
-
-  // acc (16 rows of D) = acc * correction + p . v over the step's keys: 64 output columns (four tiles) at a
-  // time, 32 keys (16 pairs) a tile of p.
-  void values(const float* p, int64_t p_stride, int64_t keys, const float* correction, float* acc) {
-    constexpr int64_t kPairsPerRow = kKeyVecs * W / 2;
-    for (int r = 0; r < R; ++r) {
-      for (int64_t k = 0; k < kKeyVecs * W; k += W) {
-        const __m512 probs = k < keys ? _mm512_loadu_ps(p + r * p_stride + k) : _mm512_setzero_ps();
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(p_.data() + r * kPairsPerRow + k / 2),
-                            (__m256i)(_mm512_cvtneps_pbh(probs)));
-      }
-    }
-    const int64_t pair_tiles = (keys + 2 * W - 1) / (2 * W);
-    for (int64_t j0 = 0; j0 < D; j0 += 4 * W) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
-      for (int64_t t = 0; t < pair_tiles; ++t) {
-        _tile_loadd(4, p_.data() + t * W, kPairsPerRow * sizeof(uint32_t));
-        const uint32_t* v = v_.data() + t * W * D + j0;
-        _tile_loadd(6, v, D * sizeof(uint32_t));
-        _tile_loadd(7, v + W, D * sizeof(uint32_t));
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, v + 2 * W, D * sizeof(uint32_t));
-        _tile_loadd(7, v + 3 * W, D * sizeof(uint32_t));
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_dpbf16ps(3, 4, 7);
-      }
-      constexpr int64_t row = 4 * W * sizeof(float);
-      float* out = out_.data();
-      _tile_stored(0, out, row);
-      _tile_stored(1, out + W, row);
-      _tile_stored(2, out + 2 * W, row);
-      _tile_stored(3, out + 3 * W, row);
-      for (int r = 0; r < R; ++r) {
-        const __m512 c = _mm512_set1_ps(correction[r]);
-        for (int j = 0; j < 4; ++j) {
-          float* a = acc + r * D + j0 + j * W;
-          _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_loadu_ps(a), c, _mm512_loadu_ps(out + (r * 4 + j) * W)));
-        }
-      }
-    }
-  }
-
- private:
-  // ldtilecfg's 64-byte operand: palette 1, then each tile's bytes a row and rows.
-  struct TileConfig {
-    uint8_t palette_id;
-    uint8_t start_row;
-    uint8_t reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-  };
-
-  float scale_;
-  std::vector<uint32_t> q_, kt_, v_, p_;
-  std::vector<float> out_;
-};
 #endif
 #endif
 
@@ -779,6 +647,238 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   });
 }
 
+#if defined(MESHSERVE_AMX)
+// Prefill attention on AMX tiles, transposed: a tile's 16 lanes are 16 query rows, so the online softmax is
+// lane-wise (no horizontal max or sum, one exp for the 16 rows' corrections). Per task (a sequence, a KV
+// head, kPrefillTile query tokens; rows token-major, the group's heads side by side) and per step of 32 keys
+// (two 16-key chunks, each inside one block):
+//   S^T [keys x rows] = K [keys x D] . Q^T: K's rows are tiles as they lie in the cache; Q^T is packed once
+//     per task into bf16 pairs along D (a B tile);
+//   P^T = exp(S^T * scale - running max), masked past each row's position; packed into pairs of keys;
+//   O^T [D x rows] += V^T [D x keys] . P^T: V^T is gathered once per step (pairs of elements along D across
+//     the keys, split into rows of D), zero for keys past the sequence's end (a reused block holds anything).
+// O^T and the running sums stay float32 in memory, rescaled by each step's corrections.
+template <int NV>
+void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const at::Tensor& query_start_loc, double scale, at::Tensor& out) {
+  using bf16 = at::BFloat16;
+  constexpr int64_t L = 16;            // lanes: query rows of a row block, keys of a chunk, dims of a tile
+  constexpr int64_t D = NV * L, D2 = D / 2;
+  constexpr int64_t kStep = 2 * L;     // keys a step
+  constexpr int64_t kDimTiles = D / L;
+  constexpr int64_t kSumTiles = D / (2 * L);  // 32 elements of D a tile of the score sum
+  static_assert(NV % 4 == 0);
+  const int64_t num_heads = q.size(1);
+  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int64_t batch = seq_lens.numel();
+  const int64_t block_stride = k_cache.stride(0), head_stride = k_cache.stride(1), row_stride = k_cache.stride(2);
+  const bf16* q_ptr = q.data_ptr<bf16>();
+  const bf16* k_ptr = k_cache.data_ptr<bf16>();
+  const bf16* v_ptr = v_cache.data_ptr<bf16>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
+  bf16* out_ptr = out.data_ptr<bf16>();
+
+  std::vector<PrefillTask> tasks;
+  std::vector<int64_t> work;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b], "sequence ", b, " has ", q_len, " query tokens but seq_lens ",
+                lens[b]);
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ", lens[b],
+                " does not fit block_tables' ", max_blocks, " blocks");
+    if (q_len < 2) continue;  // decodes are the decode kernel's
+    const int64_t context = lens[b] - q_len;
+    for (int64_t first = 0; first < q_len; first += kPrefillTile) {
+      const int64_t tokens = std::min(kPrefillTile, q_len - first);
+      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+        tasks.push_back({b, kh, first});
+        work.push_back(tokens * (context + first + tokens));
+      }
+    }
+  }
+  if (tasks.empty()) return;
+  const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
+  const int64_t row_blocks = (kPrefillTile * group + L - 1) / L;
+  constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
+  const fVec vscale(static_cast<float>(scale));
+  // vpermt2w indices: the even 16-bit elements of a then b (row d of V^T), and the odd ones (row d + 1).
+  alignas(64) int16_t even_idx[32];
+  for (int i = 0; i < 32; ++i) even_idx[i] = static_cast<int16_t>(i < 16 ? 2 * i : 32 + 2 * (i - 16));
+  const __m512i evens = _mm512_loadu_si512(even_idx);
+  const __m512i odds = _mm512_add_epi16(evens, _mm512_set1_epi16(1));
+  // vpermw indices interleaving two converted key vectors: (p_even[lane], p_odd[lane]) pairs.
+  alignas(64) int16_t pair_idx[32];
+  for (int i = 0; i < 32; ++i) pair_idx[i] = static_cast<int16_t>(i % 2 == 0 ? i / 2 : 16 + i / 2);
+  const __m512i pairs = _mm512_loadu_si512(pair_idx);
+  const __m512i lane_words = _mm512_mullo_epi32(
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_stride / 2));
+
+  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
+    struct alignas(64) TileConfig {
+      uint8_t palette_id, start_row, reserved[14];
+      uint16_t colsb[16];
+      uint8_t rows[16];
+    } config{};
+    config.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {
+      config.colsb[t] = 64;
+      config.rows[t] = L;
+    }
+    _tile_loadconfig(&config);
+    std::vector<uint32_t> q_t(row_blocks * kSumTiles * L * L);  // [row block][sum tile][word][lane]
+    std::vector<float> acc(row_blocks * D * L), row_max(row_blocks * L), row_sum(row_blocks * L),
+        position(row_blocks * L);
+    std::vector<bf16> v_t(D * kStep);  // [dim][key]
+    alignas(64) float scores[kStep * L];
+    alignas(64) float pv[4 * L * L];
+    alignas(64) uint32_t p_t[L * L];  // [key pair][lane]
+    for (int64_t thread = begin; thread < end; ++thread) {
+      for (const int64_t index : assigned[thread]) {
+        const PrefillTask& task = tasks[index];
+        const int64_t b = task.seq, q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
+        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * group;
+        const int64_t blocks_used = (rows + L - 1) / L;
+        const int64_t* blocks = tables + b * max_blocks;
+        const int64_t last_position = context + task.first + tokens - 1;
+        // Q^T: word w of row r (elements 2w, 2w + 1) at q_t[((rb * kSumTiles + w / 16) * 16 + w % 16) * 16 + r % 16].
+        for (int64_t rb = 0; rb < blocks_used; ++rb) {
+          for (int64_t lane = 0; lane < L; ++lane) {
+            const int64_t row = rb * L + lane;
+            const uint32_t* q_row =
+                row < rows ? reinterpret_cast<const uint32_t*>(
+                                 q_ptr + ((starts[b] + task.first + row / group) * num_heads +
+                                          task.kv_head * group + row % group) * D)
+                           : nullptr;
+            for (int64_t w = 0; w < D2; ++w) q_t[(rb * D2 + w) * L + lane] = q_row != nullptr ? q_row[w] : 0u;
+            // Padding rows take the last row's position: they see keys, so their softmax stays finite.
+            position[rb * L + lane] =
+                static_cast<float>(context + task.first + std::min(row, rows - 1) / group);
+          }
+        }
+        std::fill(acc.begin(), acc.begin() + blocks_used * D * L, 0.f);
+        std::fill(row_max.begin(), row_max.begin() + blocks_used * L, kMinusInf);
+        std::fill(row_sum.begin(), row_sum.begin() + blocks_used * L, 0.f);
+        const int64_t head_offset = task.kv_head * head_stride;
+        for (int64_t step_first = 0; step_first <= last_position; step_first += kStep) {
+          // The two chunks' K and V rows; a chunk wholly past the tile's last position reads chunk 0's rows
+          // (its scores are all masked) and gets zero V.
+          const bf16* k_rows[2];
+          const bf16* v_rows[2];
+          __mmask16 valid[2];
+          for (int c = 0; c < 2; ++c) {
+            const int64_t first_key = step_first + c * L;
+            const int64_t count = std::min<int64_t>(L, lens[b] - first_key);
+            if (first_key > last_position || count <= 0) {
+              k_rows[c] = k_rows[0];
+              v_rows[c] = v_rows[0];
+              valid[c] = 0;
+              continue;
+            }
+            const int64_t base = blocks[first_key / block_size] * block_stride + head_offset +
+                                 (first_key % block_size) * row_stride;
+            k_rows[c] = k_ptr + base;
+            v_rows[c] = v_ptr + base;
+            valid[c] = count >= L ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
+          }
+          // V^T: row d holds the 32 keys' element d.
+          for (int64_t w = 0; w < D2; ++w) {
+            const __m512i g0 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[0], lane_words,
+                                                           reinterpret_cast<const int*>(v_rows[0]) + w, 4);
+            const __m512i g1 = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), valid[1], lane_words,
+                                                           reinterpret_cast<const int*>(v_rows[1]) + w, 4);
+            _mm512_storeu_si512(v_t.data() + (2 * w) * kStep, _mm512_permutex2var_epi16(g0, evens, g1));
+            _mm512_storeu_si512(v_t.data() + (2 * w + 1) * kStep, _mm512_permutex2var_epi16(g0, odds, g1));
+          }
+          for (int64_t rb = 0; rb < blocks_used; ++rb) {
+            const fVec pos = fVec::loadu(position.data() + rb * L);
+            if (position[rb * L + L - 1] < static_cast<float>(step_first)) continue;  // sees none of the step
+            _tile_zero(0);
+            _tile_zero(1);
+            for (int64_t t = 0; t < kSumTiles; ++t) {
+              _tile_loadd(2, k_rows[0] + t * 2 * L, row_stride * sizeof(bf16));
+              _tile_loadd(3, k_rows[1] + t * 2 * L, row_stride * sizeof(bf16));
+              _tile_loadd(4, q_t.data() + (rb * kSumTiles + t) * L * L, L * sizeof(uint32_t));
+              _tile_dpbf16ps(0, 2, 4);
+              _tile_dpbf16ps(1, 3, 4);
+            }
+            _tile_stored(0, scores, L * sizeof(float));
+            _tile_stored(1, scores + L * L, L * sizeof(float));
+            fVec s[kStep];
+            fVec step_max(kMinusInf);
+            for (int64_t k = 0; k < kStep; ++k) {
+              // Keys after a row's own position (and so past the sequence's end) are masked.
+              const fVec raw = fVec::loadu(scores + k * L) * vscale;
+              s[k] = fVec::blendv(raw, fVec(kMinusInf), pos < fVec(static_cast<float>(step_first + k)));
+              step_max = max_lanes(step_max, s[k]);
+            }
+            float* m = row_max.data() + rb * L;
+            const fVec old_max = fVec::loadu(m);
+            const fVec new_max = max_lanes(old_max, step_max);
+            const fVec correction = (old_max - new_max).exp_u20();
+            fVec sum(0.f);
+            for (int64_t k = 0; k < kStep; k += 2) {
+              const fVec p0 = (s[k] - new_max).exp_u20(), p1 = (s[k + 1] - new_max).exp_u20();
+              sum = sum + p0 + p1;
+              const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p1, p0);  // p0 in words 0-15, p1 in 16-31
+              _mm512_storeu_si512(p_t + (k / 2) * L, _mm512_permutexvar_epi16(pairs, both));
+            }
+            new_max.store(m);
+            float* l = row_sum.data() + rb * L;
+            (fVec::loadu(l) * correction + sum).store(l);
+            _tile_loadd(5, p_t, L * sizeof(uint32_t));
+            float* a = acc.data() + rb * D * L;
+            for (int64_t j0 = 0; j0 < kDimTiles; j0 += 4) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+              _tile_loadd(6, v_t.data() + (j0 + 0) * L * kStep, kStep * sizeof(bf16));
+              _tile_dpbf16ps(0, 6, 5);
+              _tile_loadd(7, v_t.data() + (j0 + 1) * L * kStep, kStep * sizeof(bf16));
+              _tile_dpbf16ps(1, 7, 5);
+              _tile_loadd(6, v_t.data() + (j0 + 2) * L * kStep, kStep * sizeof(bf16));
+              _tile_dpbf16ps(2, 6, 5);
+              _tile_loadd(7, v_t.data() + (j0 + 3) * L * kStep, kStep * sizeof(bf16));
+              _tile_dpbf16ps(3, 7, 5);
+              _tile_stored(0, pv, L * sizeof(float));
+              _tile_stored(1, pv + L * L, L * sizeof(float));
+              _tile_stored(2, pv + 2 * L * L, L * sizeof(float));
+              _tile_stored(3, pv + 3 * L * L, L * sizeof(float));
+              float* a_j = a + j0 * L * L;
+              for (int64_t i = 0; i < 4 * L; ++i) {
+                const fVec updated = at::vec::fmadd(fVec::loadu(a_j + i * L), correction, fVec::loadu(pv + i * L));
+                updated.store(a_j + i * L);
+              }
+            }
+          }
+        }
+        // O = (O^T)^T / sum, row by row.
+        for (int64_t rb = 0; rb < blocks_used; ++rb) {
+          alignas(64) float inv[L];
+          for (int64_t lane = 0; lane < L; ++lane) {
+            const float l = row_sum[rb * L + lane];
+            inv[lane] = l > 0.f ? 1.f / l : 0.f;
+          }
+          const float* a = acc.data() + rb * D * L;
+          for (int64_t lane = 0; lane < L && rb * L + lane < rows; ++lane) {
+            const int64_t row = rb * L + lane;
+            const int64_t token = starts[b] + task.first + row / group;
+            const int64_t head = task.kv_head * group + row % group;
+            bf16* dst = out_ptr + (token * num_heads + head) * D;
+            for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(a[d * L + lane] * inv[lane]);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
 // The float32 operands, or the bf16 dot products where the build has them.
 template <typename scalar_t, int NV>
 void prefill_attention_for(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -787,8 +887,7 @@ void prefill_attention_for(const at::Tensor& q, const at::Tensor& k_cache, const
 #if defined(MESHSERVE_AMX)
   if constexpr (std::is_same_v<scalar_t, at::BFloat16> && NV % 4 == 0) {
     if (amx_permitted()) {
-      return prefill_attention_impl<scalar_t, AmxOperands<NV>>(q, k_cache, v_cache, block_tables, seq_lens,
-                                                               query_start_loc, scale, out);
+      return prefill_attention_amx<NV>(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, scale, out);
     }
   }
 #endif
