@@ -518,6 +518,29 @@ struct PrefillTask {
   int64_t seq, kv_head, first;  // the tile's first query token, counted within the sequence's query
 };
 
+// A step's prefill tasks, one per (sequence, KV head, tile of kPrefillTile query tokens), with their work
+// (query rows times the keys they see) for assign_tasks; sequences of one query token are decodes, left out.
+void prefill_tasks(const int64_t* lens, const int64_t* starts, int64_t batch, int64_t block_size,
+                   int64_t max_blocks, int64_t num_kv_heads, std::vector<PrefillTask>& tasks,
+                   std::vector<int64_t>& work) {
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t q_len = starts[b + 1] - starts[b];
+    TORCH_CHECK(q_len >= 0 && q_len <= lens[b], "sequence ", b, " has ", q_len, " query tokens but seq_lens ",
+                lens[b]);
+    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ", lens[b],
+                " does not fit block_tables' ", max_blocks, " blocks");
+    if (q_len < 2) continue;
+    const int64_t context = lens[b] - q_len;
+    for (int64_t first = 0; first < q_len; first += kPrefillTile) {
+      const int64_t tokens = std::min(kPrefillTile, q_len - first);
+      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
+        tasks.push_back({b, kh, first});
+        work.push_back(tokens * (context + first + tokens));
+      }
+    }
+  }
+}
+
 template <typename scalar_t, typename Operands>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -540,22 +563,7 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
 
   std::vector<PrefillTask> tasks;
   std::vector<int64_t> work;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = starts[b + 1] - starts[b];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[b], "sequence ", b, " has ", q_len, " query tokens but seq_lens ",
-                lens[b]);
-    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ", lens[b],
-                " does not fit block_tables' ", max_blocks, " blocks");
-    if (q_len < 2) continue;  // decodes are the decode kernel's
-    const int64_t context = lens[b] - q_len;
-    for (int64_t first = 0; first < q_len; first += kPrefillTile) {
-      const int64_t tokens = std::min(kPrefillTile, q_len - first);
-      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-        tasks.push_back({b, kh, first});
-        work.push_back(tokens * (context + first + tokens));  // query rows times the keys they see
-      }
-    }
-  }
+  prefill_tasks(lens, starts, batch, block_size, max_blocks, num_kv_heads, tasks, work);
   if (tasks.empty()) return;
   const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
   const fVec lane = [] {
@@ -684,22 +692,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
 
   std::vector<PrefillTask> tasks;
   std::vector<int64_t> work;
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t q_len = starts[b + 1] - starts[b];
-    TORCH_CHECK(q_len >= 0 && q_len <= lens[b], "sequence ", b, " has ", q_len, " query tokens but seq_lens ",
-                lens[b]);
-    TORCH_CHECK((lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ", lens[b],
-                " does not fit block_tables' ", max_blocks, " blocks");
-    if (q_len < 2) continue;  // decodes are the decode kernel's
-    const int64_t context = lens[b] - q_len;
-    for (int64_t first = 0; first < q_len; first += kPrefillTile) {
-      const int64_t tokens = std::min(kPrefillTile, q_len - first);
-      for (int64_t kh = 0; kh < num_kv_heads; ++kh) {
-        tasks.push_back({b, kh, first});
-        work.push_back(tokens * (context + first + tokens));
-      }
-    }
-  }
+  prefill_tasks(lens, starts, batch, block_size, max_blocks, num_kv_heads, tasks, work);
   if (tasks.empty()) return;
   const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
   const int64_t row_blocks = (kPrefillTile * group + L - 1) / L;
