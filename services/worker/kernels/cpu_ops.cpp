@@ -541,6 +541,36 @@ void prefill_tasks(const int64_t* lens, const int64_t* starts, int64_t batch, in
   }
 }
 
+// A step's prefill chunks as both prefill paths read them: shapes, strides and raw pointers, and the tasks
+// split over the threads.
+template <typename scalar_t>
+struct PrefillBatch {
+  int64_t num_heads, num_kv_heads, group, block_size, max_blocks, block_stride, head_stride, row_stride;
+  const scalar_t* q;
+  const scalar_t* k;
+  const scalar_t* v;
+  const int64_t* tables;
+  const int64_t* lens;
+  const int64_t* starts;
+  scalar_t* out;
+  std::vector<PrefillTask> tasks;
+  std::vector<std::vector<int64_t>> assigned;
+
+  PrefillBatch(const at::Tensor& q_, const at::Tensor& k_cache, const at::Tensor& v_cache,
+               const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+               at::Tensor& out_)
+      : num_heads(q_.size(1)), num_kv_heads(k_cache.size(1)), group(num_heads / num_kv_heads),
+        block_size(k_cache.size(2)), max_blocks(block_tables.size(1)), block_stride(k_cache.stride(0)),
+        head_stride(k_cache.stride(1)), row_stride(k_cache.stride(2)), q(q_.data_ptr<scalar_t>()),
+        k(k_cache.data_ptr<scalar_t>()), v(v_cache.data_ptr<scalar_t>()), tables(block_tables.data_ptr<int64_t>()),
+        lens(seq_lens.data_ptr<int64_t>()), starts(query_start_loc.data_ptr<int64_t>()),
+        out(out_.data_ptr<scalar_t>()) {
+    std::vector<int64_t> work;
+    prefill_tasks(lens, starts, seq_lens.numel(), block_size, max_blocks, num_kv_heads, tasks, work);
+    assigned = assign_tasks(work);
+  }
+};
+
 template <typename scalar_t, typename Operands>
 void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& seq_lens,
@@ -548,24 +578,9 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   constexpr int64_t W = fVec::size();
   constexpr int64_t kStepKeys = kKeyVecs * W;
   constexpr int R = Operands::R;
-  const int64_t num_heads = q.size(1), head_dim = q.size(2);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t batch = seq_lens.numel();
-  const int64_t block_stride = k_cache.stride(0), head_stride = k_cache.stride(1), row_stride = k_cache.stride(2);
-  const scalar_t* q_ptr = q.data_ptr<scalar_t>();
-  const scalar_t* k_ptr = k_cache.data_ptr<scalar_t>();
-  const scalar_t* v_ptr = v_cache.data_ptr<scalar_t>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  scalar_t* out_ptr = out.data_ptr<scalar_t>();
-
-  std::vector<PrefillTask> tasks;
-  std::vector<int64_t> work;
-  prefill_tasks(lens, starts, batch, block_size, max_blocks, num_kv_heads, tasks, work);
-  if (tasks.empty()) return;
-  const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
+  const PrefillBatch<scalar_t> chunks(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out);
+  if (chunks.tasks.empty()) return;
+  const int64_t head_dim = q.size(2);
   const fVec lane = [] {
     float idx[W];
     for (int64_t w = 0; w < W; ++w) idx[w] = static_cast<float>(w);
@@ -573,21 +588,23 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
   }();
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
-    const int64_t padded_rows = (kPrefillTile * group + R - 1) / R * R;
+  at::parallel_for(0, static_cast<int64_t>(chunks.assigned.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t padded_rows = (kPrefillTile * chunks.group + R - 1) / R * R;
     Operands operands(padded_rows, static_cast<float>(scale));
     std::vector<float> acc(padded_rows * head_dim), p(R * kStepKeys), row_max(padded_rows), row_sum(padded_rows),
         correction(R);
     for (int64_t thread = begin; thread < end; ++thread) {
-      for (const int64_t index : assigned[thread]) {
-        const PrefillTask& task = tasks[index];
-        const int64_t b = task.seq, q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
-        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * group;
-        const int64_t* blocks = tables + b * max_blocks;
+      for (const int64_t index : chunks.assigned[thread]) {
+        const PrefillTask& task = chunks.tasks[index];
+        const int64_t b = task.seq, q_len = chunks.starts[b + 1] - chunks.starts[b], context = chunks.lens[b] - q_len;
+        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * chunks.group;
+        const int64_t* blocks = chunks.tables + b * chunks.max_blocks;
         // Row r is query token first + r / group, head kv_head * group + r % group.
         for (int64_t t = 0; t < tokens; ++t) {
-          const int64_t token = starts[b] + task.first + t;
-          operands.load_queries(t * group, q_ptr + (token * num_heads + task.kv_head * group) * head_dim, group);
+          const int64_t token = chunks.starts[b] + task.first + t;
+          const int64_t first_head = task.kv_head * chunks.group;
+          operands.load_queries(t * chunks.group, chunks.q + (token * chunks.num_heads + first_head) * head_dim,
+                                chunks.group);
         }
         std::fill(acc.begin(), acc.end(), 0.f);
         std::fill(row_max.begin(), row_max.end(), kMinusInf);
@@ -600,22 +617,23 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           const int n = static_cast<int>(std::min<int64_t>(kKeyVecs, (last_position - step_first) / W + 1));
           for (int c = 0; c < kKeyVecs; ++c) {
             const int64_t first_key = step_first + c * W;
-            const int64_t valid = c < n ? std::min(W, lens[b] - first_key) : 0;
-            const int64_t base = valid > 0 ? blocks[first_key / block_size] * block_stride +
-                                                 task.kv_head * head_stride + (first_key % block_size) * row_stride
+            const int64_t valid = c < n ? std::min(W, chunks.lens[b] - first_key) : 0;
+            const int64_t base = valid > 0 ? blocks[first_key / chunks.block_size] * chunks.block_stride +
+                                                 task.kv_head * chunks.head_stride +
+                                                 (first_key % chunks.block_size) * chunks.row_stride
                                            : 0;
-            operands.load_chunk(c, k_ptr + base, v_ptr + base, row_stride, std::max<int64_t>(valid, 0));
+            operands.load_chunk(c, chunks.k + base, chunks.v + base, chunks.row_stride, std::max<int64_t>(valid, 0));
           }
           const int64_t step_keys = n * W;
           // Rows whose token precedes the whole step see none of it.
-          const int64_t first_row = std::max<int64_t>(0, (step_first - context - task.first) * group);
+          const int64_t first_row = std::max<int64_t>(0, (step_first - context - task.first) * chunks.group);
           for (int64_t r0 = first_row / R * R; r0 < rows; r0 += R) {
             fVec s[R][kKeyVecs];
             operands.scores(r0, s);
             for (int r = 0; r < R; ++r) {
               const int64_t row = r0 + r;
               float* p_r = p.data() + r * kStepKeys;
-              const int64_t position = context + task.first + std::min(row, rows - 1) / group;
+              const int64_t position = context + task.first + std::min(row, rows - 1) / chunks.group;
               if (row >= rows || position < step_first) {
                 correction[r] = 1.f;
                 std::fill(p_r, p_r + step_keys, 0.f);
@@ -643,12 +661,12 @@ void prefill_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, cons
           }
         }
         for (int64_t row = 0; row < rows; ++row) {
-          const int64_t token = starts[b] + task.first + row / group;
-          const int64_t head = task.kv_head * group + row % group;
+          const int64_t token = chunks.starts[b] + task.first + row / chunks.group;
+          const int64_t head = task.kv_head * chunks.group + row % chunks.group;
           float* a = acc.data() + row * head_dim;
           const fVec inv(row_sum[row] > 0.f ? 1.f / row_sum[row] : 0.f);
           at::vec::map([&](fVec x) { return x * inv; }, a, a, head_dim);
-          at::vec::convert(a, out_ptr + (token * num_heads + head) * head_dim, head_dim);
+          at::vec::convert(a, chunks.out + (token * chunks.num_heads + head) * head_dim, head_dim);
         }
       }
     }
@@ -677,25 +695,9 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   constexpr int64_t kDimTiles = D / L;
   constexpr int64_t kSumTiles = D / (2 * L);  // 32 elements of D a tile of the score sum
   static_assert(NV % 4 == 0);
-  const int64_t num_heads = q.size(1);
-  const int64_t num_kv_heads = k_cache.size(1), block_size = k_cache.size(2);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int64_t batch = seq_lens.numel();
-  const int64_t block_stride = k_cache.stride(0), head_stride = k_cache.stride(1), row_stride = k_cache.stride(2);
-  const bf16* q_ptr = q.data_ptr<bf16>();
-  const bf16* k_ptr = k_cache.data_ptr<bf16>();
-  const bf16* v_ptr = v_cache.data_ptr<bf16>();
-  const int64_t* tables = block_tables.data_ptr<int64_t>();
-  const int64_t* lens = seq_lens.data_ptr<int64_t>();
-  const int64_t* starts = query_start_loc.data_ptr<int64_t>();
-  bf16* out_ptr = out.data_ptr<bf16>();
-
-  std::vector<PrefillTask> tasks;
-  std::vector<int64_t> work;
-  prefill_tasks(lens, starts, batch, block_size, max_blocks, num_kv_heads, tasks, work);
-  if (tasks.empty()) return;
-  const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
-  const int64_t row_blocks = (kPrefillTile * group + L - 1) / L;
+  const PrefillBatch<bf16> chunks(q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, out);
+  if (chunks.tasks.empty()) return;
+  const int64_t row_blocks = (kPrefillTile * chunks.group + L - 1) / L;
   constexpr float kMinusInf = -std::numeric_limits<float>::infinity();
   const fVec vscale(static_cast<float>(scale));
   // vpermt2w indices: the even 16-bit elements of a then b (row d of V^T), and the odd ones (row d + 1).
@@ -708,9 +710,10 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
   for (int i = 0; i < 32; ++i) pair_idx[i] = static_cast<int16_t>(i % 2 == 0 ? i / 2 : 16 + i / 2);
   const __m512i pairs = _mm512_loadu_si512(pair_idx);
   const __m512i lane_words = _mm512_mullo_epi32(
-      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), _mm512_set1_epi32(row_stride / 2));
+      _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+      _mm512_set1_epi32(chunks.row_stride / 2));
 
-  at::parallel_for(0, static_cast<int64_t>(assigned.size()), 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, static_cast<int64_t>(chunks.assigned.size()), 1, [&](int64_t begin, int64_t end) {
     struct alignas(64) TileConfig {
       uint8_t palette_id, start_row, reserved[14];
       uint16_t colsb[16];
@@ -730,12 +733,12 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
     alignas(64) float pv[4 * L * L];
     alignas(64) uint32_t p_t[L * L];  // [key pair][lane]
     for (int64_t thread = begin; thread < end; ++thread) {
-      for (const int64_t index : assigned[thread]) {
-        const PrefillTask& task = tasks[index];
-        const int64_t b = task.seq, q_len = starts[b + 1] - starts[b], context = lens[b] - q_len;
-        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * group;
+      for (const int64_t index : chunks.assigned[thread]) {
+        const PrefillTask& task = chunks.tasks[index];
+        const int64_t b = task.seq, q_len = chunks.starts[b + 1] - chunks.starts[b], context = chunks.lens[b] - q_len;
+        const int64_t tokens = std::min(kPrefillTile, q_len - task.first), rows = tokens * chunks.group;
         const int64_t blocks_used = (rows + L - 1) / L;
-        const int64_t* blocks = tables + b * max_blocks;
+        const int64_t* blocks = chunks.tables + b * chunks.max_blocks;
         const int64_t last_position = context + task.first + tokens - 1;
         // Q^T: word w of row r (elements 2w, 2w + 1) at q_t[((rb * kSumTiles + w / 16) * 16 + w % 16) * 16 + r % 16].
         for (int64_t rb = 0; rb < blocks_used; ++rb) {
@@ -743,19 +746,19 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
             const int64_t row = rb * L + lane;
             const uint32_t* q_row =
                 row < rows ? reinterpret_cast<const uint32_t*>(
-                                 q_ptr + ((starts[b] + task.first + row / group) * num_heads +
-                                          task.kv_head * group + row % group) * D)
+                                 chunks.q + ((chunks.starts[b] + task.first + row / chunks.group) * chunks.num_heads +
+                                          task.kv_head * chunks.group + row % chunks.group) * D)
                            : nullptr;
             for (int64_t w = 0; w < D2; ++w) q_t[(rb * D2 + w) * L + lane] = q_row != nullptr ? q_row[w] : 0u;
             // Padding rows take the last row's position: they see keys, so their softmax stays finite.
             position[rb * L + lane] =
-                static_cast<float>(context + task.first + std::min(row, rows - 1) / group);
+                static_cast<float>(context + task.first + std::min(row, rows - 1) / chunks.group);
           }
         }
         std::fill(acc.begin(), acc.begin() + blocks_used * D * L, 0.f);
         std::fill(row_max.begin(), row_max.begin() + blocks_used * L, kMinusInf);
         std::fill(row_sum.begin(), row_sum.begin() + blocks_used * L, 0.f);
-        const int64_t head_offset = task.kv_head * head_stride;
+        const int64_t head_offset = task.kv_head * chunks.head_stride;
         for (int64_t step_first = 0; step_first <= last_position; step_first += kStep) {
           // The two chunks' K and V rows; a chunk wholly past the tile's last position reads chunk 0's rows
           // (its scores are all masked) and gets zero V.
@@ -764,17 +767,17 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           __mmask16 valid[2];
           for (int c = 0; c < 2; ++c) {
             const int64_t first_key = step_first + c * L;
-            const int64_t count = std::min<int64_t>(L, lens[b] - first_key);
+            const int64_t count = std::min<int64_t>(L, chunks.lens[b] - first_key);
             if (first_key > last_position || count <= 0) {
               k_rows[c] = k_rows[0];
               v_rows[c] = v_rows[0];
               valid[c] = 0;
               continue;
             }
-            const int64_t base = blocks[first_key / block_size] * block_stride + head_offset +
-                                 (first_key % block_size) * row_stride;
-            k_rows[c] = k_ptr + base;
-            v_rows[c] = v_ptr + base;
+            const int64_t base = blocks[first_key / chunks.block_size] * chunks.block_stride + head_offset +
+                                 (first_key % chunks.block_size) * chunks.row_stride;
+            k_rows[c] = chunks.k + base;
+            v_rows[c] = chunks.v + base;
             valid[c] = count >= L ? __mmask16(0xffff) : __mmask16((1u << count) - 1);
           }
           // V^T: row d holds the 32 keys' element d.
@@ -792,8 +795,8 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
             _tile_zero(0);
             _tile_zero(1);
             for (int64_t t = 0; t < kSumTiles; ++t) {
-              _tile_loadd(2, k_rows[0] + t * 2 * L, row_stride * sizeof(bf16));
-              _tile_loadd(3, k_rows[1] + t * 2 * L, row_stride * sizeof(bf16));
+              _tile_loadd(2, k_rows[0] + t * 2 * L, chunks.row_stride * sizeof(bf16));
+              _tile_loadd(3, k_rows[1] + t * 2 * L, chunks.row_stride * sizeof(bf16));
               _tile_loadd(4, q_t.data() + (rb * kSumTiles + t) * L * L, L * sizeof(uint32_t));
               _tile_dpbf16ps(0, 2, 4);
               _tile_dpbf16ps(1, 3, 4);
@@ -859,9 +862,9 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
           const float* a = acc.data() + rb * D * L;
           for (int64_t lane = 0; lane < L && rb * L + lane < rows; ++lane) {
             const int64_t row = rb * L + lane;
-            const int64_t token = starts[b] + task.first + row / group;
-            const int64_t head = task.kv_head * group + row % group;
-            bf16* dst = out_ptr + (token * num_heads + head) * D;
+            const int64_t token = chunks.starts[b] + task.first + row / chunks.group;
+            const int64_t head = task.kv_head * chunks.group + row % chunks.group;
+            bf16* dst = chunks.out + (token * chunks.num_heads + head) * D;
             for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<bf16>(a[d * L + lane] * inv[lane]);
           }
         }
