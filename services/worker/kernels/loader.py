@@ -16,6 +16,7 @@ import hashlib
 import os
 import platform
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -62,10 +63,28 @@ def isa() -> tuple[str, list[str]]:
     if platform.machine().lower() not in ("x86_64", "amd64") or capability not in _X86_ISA_FLAGS:
         return "portable", []
     if capability == "AVX512" and torch.cpu._is_avx512_bf16_supported():
-        if torch.cpu._is_amx_tile_supported():
+        if torch.cpu._is_amx_tile_supported() and _compiler_accepts(tuple(_AMX_FLAGS)):
             return "avx512_amx", _X86_ISA_FLAGS[capability] + _AVX512_BF16_FLAGS + _AMX_FLAGS
         return "avx512_bf16", _X86_ISA_FLAGS[capability] + _AVX512_BF16_FLAGS
     return capability.lower(), _X86_ISA_FLAGS[capability]
+
+
+@functools.cache
+def _compiler_accepts(flags: tuple[str, ...]) -> bool:
+    """Whether the C++ compiler torch builds with takes these flags: GCC before 11 and clang before 12 know no
+    -mamx-tile, and an AMX host with one of them still gets the avx512_bf16 build rather than none."""
+    from torch.utils import cpp_extension
+
+    try:
+        probe = subprocess.run(
+            [cpp_extension.get_cxx_compiler(), *flags, "-x", "c++", "-fsyntax-only", "-"],
+            input=b"int main() { return 0; }\n",
+            capture_output=True,
+            timeout=60,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0
 
 
 def library_path(cache_dir: Path | None = None) -> Path:

@@ -489,12 +489,29 @@ def test_an_avx512_cpu_with_bf16_dot_products_or_amx_gets_a_build_of_its_own(
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(loader, "_compiler_accepts", lambda flags: True)
     name, flags = loader.isa()
     assert name == expected and ("-mavx512bf16" in flags) is bf16 and "-DCPU_CAPABILITY_AVX512" in flags
     assert ("-mamx-tile" in flags) is (expected == "avx512_amx")
     assert f"-{expected}-" in loader.library_path(tmp_path).parent.name
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     assert loader.isa()[0] == "avx2"
+
+
+def test_an_amx_cpu_whose_compiler_knows_no_amx_flags_gets_the_bf16_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(loader, "_compiler_accepts", lambda flags: False)
+    name, flags = loader.isa()
+    assert name == "avx512_bf16" and "-mamx-tile" not in flags and "-mavx512bf16" in flags
+
+
+def test_the_compiler_probe_tells_known_flags_from_unknown_ones() -> None:
+    # The real compiler torch builds with (the kernels above were built by it).
+    assert loader._compiler_accepts(("-O2",))
+    assert not loader._compiler_accepts(("-mno-such-isa-flag",))
 
 
 def test_an_unwritable_cache_fails_with_the_variable_to_set(tmp_path: Path) -> None:
