@@ -478,6 +478,16 @@ def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.Monke
     assert loader.library_path(tmp_path) != path
 
 
+def _avx512_cpu(monkeypatch: pytest.MonkeyPatch, *, bf16: bool, amx: bool, compiler_takes_amx: bool) -> None:
+    """An x86 CPU that torch runs with AVX512, with or without AVX512-BF16 and AMX, and a compiler that does or
+    does not take the AMX flags."""
+    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(loader, "_compiler_accepts", lambda flags: compiler_takes_amx)
+
+
 @pytest.mark.parametrize(
     ("bf16", "amx", "expected"),
     [(True, True, "avx512_amx"), (True, False, "avx512_bf16"), (False, False, "avx512"), (False, True, "avx512")],
@@ -485,11 +495,7 @@ def test_library_path_is_keyed_by_torch_isa_and_source(monkeypatch: pytest.Monke
 def test_an_avx512_cpu_with_bf16_dot_products_or_amx_gets_a_build_of_its_own(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, bf16: bool, amx: bool, expected: str
 ) -> None:
-    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: bf16)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
-    monkeypatch.setattr(loader, "_compiler_accepts", lambda flags: True)
+    _avx512_cpu(monkeypatch, bf16=bf16, amx=amx, compiler_takes_amx=True)
     name, flags = loader.isa()
     assert name == expected and ("-mavx512bf16" in flags) is bf16 and "-DCPU_CAPABILITY_AVX512" in flags
     assert ("-mamx-tile" in flags) is (expected == "avx512_amx")
@@ -499,11 +505,7 @@ def test_an_avx512_cpu_with_bf16_dot_products_or_amx_gets_a_build_of_its_own(
 
 
 def test_an_amx_cpu_whose_compiler_knows_no_amx_flags_gets_the_bf16_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(loader.platform, "machine", lambda: "x86_64")
-    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True)
-    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
-    monkeypatch.setattr(loader, "_compiler_accepts", lambda flags: False)
+    _avx512_cpu(monkeypatch, bf16=True, amx=True, compiler_takes_amx=False)
     name, flags = loader.isa()
     assert name == "avx512_bf16" and "-mamx-tile" not in flags and "-mavx512bf16" in flags
 
