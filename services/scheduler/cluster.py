@@ -16,6 +16,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 import structlog
 
+from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
 from services.common.errors import Reason
 from services.common.proto.meshserve.v1 import scheduler_pb2, worker_pb2
 from services.common.sampling_checks import InvalidField
@@ -123,9 +124,9 @@ class Cluster:
         s = self.settings
         worker = WorkerLoop.create(
             hello,
-            max_num_seqs=min(s.max_num_seqs, hello.max_num_seqs or s.max_num_seqs),
-            max_num_batched_tokens=min(
-                s.max_num_batched_tokens, hello.max_num_batched_tokens or s.max_num_batched_tokens
+            max_num_seqs=_step_limit(s.max_num_seqs, hello.max_num_seqs, DEFAULT_MAX_NUM_SEQS),
+            max_num_batched_tokens=_step_limit(
+                s.max_num_batched_tokens, hello.max_num_batched_tokens, DEFAULT_MAX_NUM_BATCHED_TOKENS
             ),
             max_model_len=min(hello.max_model_len, s.max_model_len or hello.max_model_len),
             enable_prefix_caching=s.enable_prefix_caching,
@@ -153,7 +154,7 @@ class Cluster:
         )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             own, reported = getattr(s, name), getattr(hello, name)
-            if reported and reported < own:
+            if own is not None and reported and reported < own:
                 log.warning(
                     f"the worker runs a smaller --{name.replace('_', '-')} than this scheduler; its steps are "
                     "planned within the worker's",
@@ -530,3 +531,11 @@ def _cancel(timers: dict[str, asyncio.TimerHandle], request_id: str) -> None:
     handle = timers.pop(request_id, None)
     if handle is not None:
         handle.cancel()
+
+
+def _step_limit(own: int | None, reported: int, unreported: int) -> int:
+    """What a worker's steps are planned within: the smaller of this scheduler's flag (None: unset) and the
+    worker's own limit (0: a worker from before the field); `unreported`, the default such a worker ran
+    with, when neither says."""
+    limits = [v for v in (own, reported) if v]
+    return min(limits) if limits else unreported

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from services.common.engine_defaults import DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 from services.scheduler.speculation import SpeculativeConfig
 
@@ -18,7 +18,9 @@ class SchedulerSettings(ServiceSettings):
 
     port: int = Field(DEFAULT_PORT, description="gRPC port", ge=0, le=65535)
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, description="most requests in one step", ge=1)
-    max_num_batched_tokens: int = Field(DEFAULT_MAX_NUM_BATCHED_TOKENS, description="token budget of one step", ge=1)
+    max_num_batched_tokens: int | None = Field(
+        None, description="token budget of one step; unset: each worker's own (its platform's, or its flag)", ge=1
+    )
     max_model_len: int | None = Field(
         None, description="longest prompt + output; unset: the smallest a worker reports", ge=2
     )

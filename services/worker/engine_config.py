@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from services.common.engine_defaults import DEFAULT_MAX_NUM_SEQS
 from services.common.tls import Security
 from services.worker.precision import Precision, parse_precision, precision_from_dtype
 from services.worker.settings import DEFAULT_KV_SAVE_QUEUE_BLOCKS
@@ -65,7 +65,8 @@ class EngineConfig:
     kv_cache_memory_bytes: int = 1 << 30
     gpu_memory_utilization: float = 0.9
     max_model_len: int | None = None
-    max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
+    # None: the platform's (Platform.default_max_num_batched_tokens).
+    max_num_batched_tokens: int | None = None
     max_num_seqs: int = DEFAULT_MAX_NUM_SEQS
     seed: int = 0
     # CPU op table: auto (native kernels where they build), native, or reference (pure torch).
@@ -130,7 +131,7 @@ class EngineConfig:
             raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"--max-model-len must be >= 1, got {self.max_model_len}")
-        if self.max_num_batched_tokens < 1:
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"--max-num-batched-tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.max_num_seqs < 1:
             raise ValueError(f"--max-num-seqs must be >= 1, got {self.max_num_seqs}")
@@ -144,6 +145,10 @@ class EngineConfig:
         if self.dtype is not None:
             return parse_precision(precision_from_dtype(self.dtype), platform_default=platform_default)
         return parse_precision("auto", platform_default=platform_default)
+
+    def resolve_max_num_batched_tokens(self, platform_default: int) -> int:
+        """--max-num-batched-tokens, or the platform's step budget when unset."""
+        return self.max_num_batched_tokens or platform_default
 
     def resolve_block_size(self, platform_name: str, required: int | None) -> int:
         """--block-size checked against what the platform's kernels need."""

@@ -28,7 +28,7 @@ def profile_peak_memory(runner: ModelRunner, arch: LlamaArch) -> int:
     statistics, so the peak is 0 there; the run still proves the largest step fits and warms the kernels.
     """
     config = runner.config
-    lengths = profile_spans(config.max_num_batched_tokens, runner.max_model_len, config.max_num_seqs)
+    lengths = profile_spans(runner.max_num_batched_tokens, runner.max_model_len, config.max_num_seqs)
     bs = runner.block_size
     blocks_each = [-(-n // bs) for n in lengths]
     scratch = KVCache.allocate(

@@ -131,6 +131,9 @@ class ModelRunner:
         self.device_type: str = self.platform.name
         self.precision = config.resolve_precision(self.platform.default_precision)
         self.block_size: int = config.resolve_block_size(self.platform.name, self.platform.required_block_size)
+        self.max_num_batched_tokens = config.resolve_max_num_batched_tokens(
+            self.platform.default_max_num_batched_tokens
+        )
 
         dummy = config.load_format == "dummy"
         source = resolve_model_path(config.model_path, need_weights=not dummy)
@@ -630,7 +633,7 @@ class ModelRunner:
             running.append((_Scheduled(cached, sched.num_scheduled_tokens, drafts), list(sched.new_block_ids)))
         work = new + [item for item, _ in running]
         total = sum(item.num_scheduled for item in work)
-        if total > self.config.max_num_batched_tokens:
+        if total > self.max_num_batched_tokens:
             raise ValueError(f"step schedules {total} tokens > --max-num-batched-tokens")
         if len(work) > self.config.max_num_seqs:
             raise ValueError(f"step schedules {len(work)} requests > --max-num-seqs")

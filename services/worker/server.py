@@ -220,7 +220,7 @@ async def _serve_driver(
         vocab_size=runner.vocab_size,
         health_address=f"{settings.host}:{service.port}",
         max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
+        max_num_batched_tokens=runner.max_num_batched_tokens,
         kv_store_enabled=runner.kv_transfer is not None,
         step_slots=step_slots,
     )

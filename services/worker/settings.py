@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from services.common.byte_sizes import parse_size
-from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS, DEFAULT_MAX_NUM_SEQS
+from services.common.engine_defaults import DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 
 DEFAULT_PORT = 50053
@@ -96,8 +96,8 @@ class WorkerSettings(ServiceSettings):
         0.9, description="fraction of device memory for weights, activations and KV cache (cuda, npu)", gt=0, le=1
     )
     max_model_len: int | None = Field(None, description="longest sequence (unset: the model's)", ge=2)
-    max_num_batched_tokens: int = Field(
-        DEFAULT_MAX_NUM_BATCHED_TOKENS, description="largest step the worker must run", ge=1
+    max_num_batched_tokens: int | None = Field(
+        None, description="largest step the worker must run (unset: its platform's step budget)", ge=1
     )
     max_num_seqs: int = Field(DEFAULT_MAX_NUM_SEQS, description="largest batch the worker must run", ge=1)
     seed: int = Field(0, description="seed of unseeded sampling")

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from services.worker.layers.quantization import (
     BoundKernel,
     HalfWeight,
@@ -122,6 +123,8 @@ class Platform(abc.ABC):
     required_block_size: int | None = None
     # --precision auto resolves to this on the platform.
     default_precision: str = "fp32-fp32-fp32"
+    # A step's token budget when --max-num-batched-tokens is unset (the worker reports it to the scheduler).
+    default_max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
 
     def __init__(self, local_rank: int = 0) -> None:
         self.local_rank = local_rank

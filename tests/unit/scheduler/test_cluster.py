@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from prometheus_client import CollectorRegistry
 
 from services.common.proto.meshserve.v1 import sampling_pb2, scheduler_pb2, worker_pb2
@@ -27,10 +28,10 @@ class Harness:
         self.fakes: dict[str, FakeWorker] = {}
         self.events: dict[str, list[Item]] = {}
 
-    def attach(self, worker_id: str, num_blocks: int = 64) -> WorkerLoop:
+    def attach(self, worker_id: str, num_blocks: int = 64, max_num_batched_tokens: int = 0) -> WorkerLoop:
         hello = worker_pb2.WorkerHello(
             worker_id=worker_id, block_size=BS, num_blocks=num_blocks, max_model_len=2048, vocab_size=2000,
-            model_identity="m", model_name="tiny",
+            model_identity="m", model_name="tiny", max_num_batched_tokens=max_num_batched_tokens,
         )  # fmt: skip
         self.cluster.check_hello(hello)
         worker = self.cluster.attach(hello)
@@ -208,6 +209,24 @@ async def test_model_info_reports_the_tightest_ready_worker() -> None:
     h.attach("a")
     info = h.cluster.model_info()
     assert (info.model_name, info.max_model_len, info.vocab_size, info.num_ready_workers) == ("tiny", 200, 2000, 1)
+
+
+@pytest.mark.parametrize(
+    ("scheduler_flag", "reported", "planned"),
+    [
+        (None, 512, 512),  # unset here: the worker's own budget (its platform's)
+        (None, 0, 2048),  # a worker from before the field ran the old default
+        (1024, 512, 512),  # the smaller of the two
+        (256, 512, 256),
+        (1024, 0, 1024),
+    ],
+)
+async def test_a_workers_step_budget_is_the_smaller_given(
+    scheduler_flag: int | None, reported: int, planned: int
+) -> None:
+    h = Harness(max_num_batched_tokens=scheduler_flag)
+    worker = h.attach("a", max_num_batched_tokens=reported)
+    assert worker.planner.max_num_batched_tokens == planned
 
 
 async def test_a_worker_busy_prefilling_is_not_taken_for_idle() -> None:

@@ -58,6 +58,11 @@ def test_block_size_follows_the_platform() -> None:
         EngineConfig(model_path="m", block_size=16).resolve_block_size("npu", 128)
 
 
+def test_step_budget_is_the_flag_or_the_platforms() -> None:
+    assert EngineConfig(model_path="m").resolve_max_num_batched_tokens(512) == 512
+    assert EngineConfig(model_path="m", max_num_batched_tokens=4096).resolve_max_num_batched_tokens(512) == 4096
+
+
 @pytest.mark.parametrize(
     ("kwargs", "flag"),
     [

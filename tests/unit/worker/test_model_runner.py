@@ -427,6 +427,12 @@ def test_batch_limits_are_enforced(llama_dir: Path) -> None:
         runner.execute(worker_pb2.Step(new_requests=[_new("a", [1], [0], 1), _new("b", [1], [1], 1)]))
 
 
+def test_unset_step_budget_is_the_platforms(llama_dir: Path) -> None:
+    runner = _runner(llama_dir, max_num_batched_tokens=None)
+    assert runner.max_num_batched_tokens == runner.platform.default_max_num_batched_tokens
+    assert _runner(llama_dir, max_num_batched_tokens=64).max_num_batched_tokens == 64
+
+
 class _RecordingCpuPlatform(CpuPlatform):
     """The CPU platform, noting the row counts the runner scopes its matmuls with."""
 
