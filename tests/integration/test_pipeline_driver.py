@@ -75,10 +75,15 @@ def test_two_micro_batches_on_the_pipeline_decode_like_transformers(driver: Pipe
 
 def test_a_request_still_on_the_pipeline_is_refused_and_the_pipeline_goes_on(driver: PipelineDriver) -> None:
     prompt = list(range(30, 45))
-    first = driver.launch(worker_pb2.Step(step_id=1, new_requests=[_new("a", prompt, 0)]))
-    # A scheduler that broke the micro-batch rule: "a" is scheduled again before its prefill answered.
-    with pytest.raises(StepRejected, match="is still in step 1 on the pipeline") as info:
-        driver.launch(_decode(2, "a", len(prompt)))
+    # The answer thread books step 1's answer under the driver's lock. Held here (made reentrant, so this
+    # thread's launches still take it) until the second launch is refused, the answer cannot be booked in
+    # between: on a loaded machine it otherwise could, and "a" would no longer be on the pipeline.
+    driver._lock = threading.RLock()  # type: ignore[assignment]
+    with driver._lock:
+        first = driver.launch(worker_pb2.Step(step_id=1, new_requests=[_new("a", prompt, 0)]))
+        # A scheduler that broke the micro-batch rule: "a" is scheduled again before its prefill answered.
+        with pytest.raises(StepRejected, match="is still in step 1 on the pipeline") as info:
+            driver.launch(_decode(2, "a", len(prompt)))
     assert info.value.request_id == "a"
     answer = first.result(timeout=60)
     assert not answer.error and len(answer.sampled) == 1
