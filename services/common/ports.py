@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 # Where metrics are served: every container of the deploy files, and `meshserve up`'s first metrics port
 # (gateway, then scheduler, kvstore and each worker on the next ones); `meshserve top` looks there.
 DEFAULT_METRICS_PORT = 9400
 
+# Ports handed out come from [FIRST_FREE_PORT, the kernel's ephemeral range): a port the kernel picks for an
+# outgoing connection (or a bind to port 0) always lies inside that range, so between this check and the
+# caller's own bind no connection can take the port. Handed out from the ephemeral range, it could: a worker
+# once failed to start with "Address already in use" in the test suite.
+FIRST_FREE_PORT = 20000
+# Random tries below the ephemeral range before falling back to a port inside it.
+FREE_PORT_ATTEMPTS = 100
+EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+# Linux's default ip_local_port_range, where the file cannot be read.
+DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on right now."""
+
+def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range for ports it picks itself (ip_local_port_range)."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL_RANGE
+    return low, high
+
+
+def free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
+    """A port nothing listens on right now, below the kernel's ephemeral range where it leaves room."""
+    low, _ = ephemeral or ephemeral_range()
+    if low > FIRST_FREE_PORT:
+        for port in random.sample(range(FIRST_FREE_PORT, low), min(FREE_PORT_ATTEMPTS, low - FIRST_FREE_PORT)):
+            if _bindable(host, port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
 
 
 def free_port_block(count: int, host: str = "127.0.0.1", attempts: int = 50) -> int:
