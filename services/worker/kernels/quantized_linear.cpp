@@ -202,6 +202,35 @@ inline void dot_block(int64_t rows, const float* x, int64_t k_size, const int8_t
   with_rows<kInt8Rows>(rows, "dot_block", [&]<int64_t R>() { dot_rows<R>(x, k_size, w, scales, group_size, acc); });
 }
 
+// A one-row step (a single decode) against per-row scales, the default: kInt8WeightRows weight rows a pass,
+// so each x vector is loaded once for all of them and their sums are independent FMA chains. One weight row
+// a pass (dot_rows) ran below the memory's rate even with the weights in cache, its serial reduction and
+// dispatch per row on top of the widening: int8 was bound by arithmetic (docs/benchmarks.md).
+constexpr int64_t kInt8WeightRows = 4;
+// Sums per output: with kInt8WeightRows outputs a pass, 2 chains each keep 8 FMAs in flight within 16 registers.
+constexpr int64_t kInt8Chains = 2;
+
+// acc[j] = scales[j] * sum_k x[k] * w[j][k] for NB int8 weight rows (row stride k_size). Each output's sums
+// run the same way whatever NB, so a weight row's output does not depend on the rows it shares a pass with.
+template <int64_t NB>
+inline void dot_one_row(const float* x, int64_t k_size, const int8_t* w, const float* scales, float* acc) {
+  fVec sums[NB][kInt8Chains];
+  for (int64_t j = 0; j < NB; ++j)
+    for (int64_t u = 0; u < kInt8Chains; ++u) sums[j][u] = fVec(0.f);
+  auto vector = [&](int64_t v, int64_t u) {
+    const int64_t k = v * fVec::size();
+    const fVec xv = fVec::loadu(x + k);
+    for (int64_t j = 0; j < NB; ++j) sums[j][u] = at::vec::fmadd(xv, widen_int8(w + j * k_size + k), sums[j][u]);
+  };
+  const int64_t vectors = k_size / fVec::size();
+  unrolled<kInt8Chains>(vectors, vector);
+  for (int64_t j = 0; j < NB; ++j) {
+    float total = lane_total(sums[j]);
+    for (int64_t k = vectors * fVec::size(); k < k_size; ++k) total += x[k] * static_cast<float>(w[j * k_size + k]);
+    acc[j] = total * scales[j];
+  }
+}
+
 // y[M, N] = x[M, K] W^T with W[n, k] = q[n, k] * scales[n, k / group]: float32 accumulation, each output
 // rounded once to x's dtype, as a half-precision GEMM with float32 accumulation rounds (the reference
 // dequantises and matmuls).
@@ -226,6 +255,22 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     const int8_t* qp = q.data_ptr<int8_t>();
     const float* sp = sc.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
+    if (rows == 1 && groups == 1) {
+      at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+        float acc[kInt8WeightRows];
+        for (int64_t n = begin; n < end; n += kInt8WeightRows) {
+          const int64_t count = std::min(kInt8WeightRows, end - n);
+          for (int64_t j = 0; j < count; ++j) prefetch_ahead(n + j, end, {{qp, k_size}});
+          if (count == kInt8WeightRows) {
+            dot_one_row<kInt8WeightRows>(xp, k_size, qp + n * k_size, sp + n, acc);
+          } else {
+            for (int64_t j = 0; j < count; ++j) dot_one_row<1>(xp, k_size, qp + (n + j) * k_size, sp + n + j, acc + j);
+          }
+          for (int64_t j = 0; j < count; ++j) op[n + j] = static_cast<scalar_t>(acc[j]);
+        }
+      });
+      return;
+    }
     at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
       float acc[kInt8Rows];
       for (int64_t n = begin; n < end; ++n) {

@@ -369,6 +369,22 @@ def test_half_linear_rows_do_not_depend_on_their_batch(native: NativeCpuOps) -> 
         assert torch.equal(torch.ops.meshserve_cpu.half_linear(x[r : r + 1], weight), together[r : r + 1])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int8_one_row_outputs_do_not_depend_on_the_weight_rows_beside_them(
+    native: NativeCpuOps, dtype: torch.dtype
+) -> None:
+    # A one-row step multiplies 4 weight rows a pass and the rest one at a time (70 rows over 2 threads: 35
+    # each, so passes of 4 and a remainder of 3); every output must come out as it does alone. Columns of
+    # mixed magnitudes, so a changed order of the sums shows in the rounded outputs; 600 columns end in a tail.
+    g = torch.Generator().manual_seed(11)
+    weight = quantize_int8(torch.randn(70, 600, generator=g) * 2.0 ** torch.randint(-8, 9, (70, 600), generator=g))
+    x = (torch.randn(1, 600, generator=g) * 2.0 ** torch.randint(-8, 9, (1, 600), generator=g)).to(dtype)
+    together = torch.ops.meshserve_cpu.int8_linear(x, weight.qweight, weight.scales)
+    for n in range(70):
+        alone = torch.ops.meshserve_cpu.int8_linear(x, weight.qweight[n : n + 1], weight.scales[n : n + 1])
+        assert torch.equal(alone[0, 0], together[0, n]), n
+
+
 def test_int4_linear_reads_codes_in_ggufs_nibble_order(native: NativeCpuOps) -> None:
     # One block of one row: byte j holds column j (low nibble) and column j + 16 (high nibble).
     packed = torch.tensor([[(15 - j) << 4 | j for j in range(16)]], dtype=torch.uint8)
