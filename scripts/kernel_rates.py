@@ -17,29 +17,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
-# (out_features, in_features) of one SmolLM2-135M layer's matmuls: fused qkv, o, fused gate_up, down.
-LAYER_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
-LAYERS = 30
-LM_HEAD = (49152, 576)
+from services.worker.benchmarks.int8_linear import median_us
+from services.worker.benchmarks.step_matmuls import LAYER_SHAPES, LAYERS, LM_HEAD
+
 HOT_SHAPE = (2048, 576)
 FIXED_SHAPE = (16, 576)
 
 
-def _median_seconds(fn: Callable[[], object], repeats: int, warmups: int = 3) -> float:
-    for _ in range(warmups):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    return median_us(fn, repeats) / 1e6
 
 
 def _int8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
