@@ -28,6 +28,36 @@ namespace {
 
 using namespace meshserve_kernels;
 
+// x's rows as contiguous float32 for the kernels below: x's own data when it is float32, else x widened
+// (exactly) into a buffer the calling thread keeps from call to call. A decode step makes ~120 kernel calls,
+// and widening into a new tensor each time (an allocation and a dispatched copy) cost ~0.5 ms of a SmolLM2
+// step on the Zen 3 EPYC (docs/benchmarks.md). Past kScratchFloats (16 rows of 4,096 columns; the kernels
+// take small steps) the widened copy is a tensor of its own, so the retained buffer stays bounded.
+constexpr int64_t kScratchFloats = 1 << 16;
+
+struct FloatRows {
+  // Holds the widened copy when it did not fit the scratch buffer.
+  at::Tensor owned;
+  const float* data;
+};
+
+inline FloatRows float_rows(const at::Tensor& xc) {
+  if (xc.scalar_type() == at::kFloat) return {at::Tensor(), xc.data_ptr<float>()};
+  const int64_t n = xc.numel();
+  thread_local std::vector<float> scratch;
+  at::Tensor owned;
+  float* dst;
+  if (n <= kScratchFloats) {
+    if (static_cast<int64_t>(scratch.size()) < n) scratch.resize(n);
+    dst = scratch.data();
+  } else {
+    owned = at::empty({n}, xc.options().dtype(at::kFloat));
+    dst = owned.data_ptr<float>();
+  }
+  dispatch_dtype(xc.scalar_type(), "float_rows", [&]<typename scalar_t>() { to_float(xc.data_ptr<scalar_t>(), dst, n); });
+  return {owned, dst};
+}
+
 // --------------------------------------------------------------------------------- int8 weight-only linear
 
 // Rows of x handled per pass over a weight row: each int8 vector is widened once and used for all of
@@ -247,11 +277,12 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   TORCH_CHECK(groups >= 1 && k_size % groups == 0, "int8_linear: ", groups, " scale groups do not divide ", k_size,
               " in_features");
   const int64_t group_size = k_size / groups;
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  const FloatRows xf = float_rows(xc);
   const at::Tensor q = qweight.contiguous(), sc = scales.contiguous();
   at::Tensor out = at::empty({rows, n_size}, x.options());
   dispatch_dtype(x.scalar_type(), "int8_linear", [&]<typename scalar_t>() {
-    const float* xp = xf.data_ptr<float>();
+    const float* xp = xf.data;
     const int8_t* qp = q.data_ptr<int8_t>();
     const float* sp = sc.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -447,11 +478,12 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
     return out;
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  const FloatRows xf = float_rows(xc);
   const int64_t row_bytes = k_size * 2;
   auto run = [&]<typename w_t>(const w_t* wp) {
     dispatch_dtype(x.scalar_type(), "half_linear", [&]<typename scalar_t>() {
-      const float* xp = xf.data_ptr<float>();
+      const float* xp = xf.data;
       scalar_t* yp = out.data_ptr<scalar_t>();
       at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
         float acc[kHalfRows];
@@ -702,9 +734,10 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     return out;
   }
 #endif
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  const at::Tensor xc = x.contiguous();
+  const FloatRows xf = float_rows(xc);
   dispatch_dtype(x.scalar_type(), "int4_linear", [&]<typename scalar_t>() {
-    const float* xp = xf.data_ptr<float>();
+    const float* xp = xf.data;
     const uint8_t* qp = q.data_ptr<uint8_t>();
     const float* sp = sc.data_ptr<float>();
     const float* op_ = of.data_ptr<float>();

@@ -295,8 +295,11 @@ def test_unsupported_head_shapes_take_the_reference_path(native: NativeCpuOps) -
 
 @pytest.mark.parametrize("dtype", DTYPES)
 # Row counts around the kernel's block of 4 rows; one scale per row, or per 64 columns (widths of several
-# groups, of one, and ones 64 does not divide: one scale per row, with a vector tail).
-@pytest.mark.parametrize(("rows", "in_features"), [(1, 576), (3, 576), (4, 100), (9, 1536), (33, 64), (2, 136)])
+# groups, of one, and ones 64 does not divide: one scale per row, with a vector tail). 40 x 2,048 is more x
+# than the kernels' retained float32 buffer holds: widened into a tensor of its own.
+@pytest.mark.parametrize(
+    ("rows", "in_features"), [(1, 576), (3, 576), (4, 100), (9, 1536), (33, 64), (2, 136), (40, 2048)]
+)
 @pytest.mark.parametrize("group_size", [None, 64, 32])
 def test_int8_linear_matches_the_dequantised_reference(
     native: NativeCpuOps, dtype: torch.dtype, rows: int, in_features: int, group_size: int | None
@@ -328,9 +331,11 @@ def test_int4_linear_matches_the_dequantised_reference(
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
 # Rows around the widening path's passes of 4 and the bf16 path's of 8; widths of whole vectors (both ISAs,
-# and the bf16 path's 32 columns) and ones with a tail (scalar, or the bf16 path's masked loads).
+# and the bf16 path's 32 columns) and ones with a tail (scalar, or the bf16 path's masked loads); 40 x 2,048
+# is more x than the kernels' retained float32 buffer holds.
 @pytest.mark.parametrize(
-    ("rows", "in_features"), [(1, 576), (2, 1536), (4, 100), (5, 64), (8, 576), (9, 40), (11, 17), (17, 576)]
+    ("rows", "in_features"),
+    [(1, 576), (2, 1536), (4, 100), (5, 64), (8, 576), (9, 40), (11, 17), (17, 576), (40, 2048)],
 )
 def test_half_linear_matches_the_widened_reference(
     native: NativeCpuOps, dtype: torch.dtype, weight_dtype: torch.dtype, rows: int, in_features: int
