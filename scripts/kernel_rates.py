@@ -32,54 +32,56 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return median_us(fn, repeats) / 1e6
 
 
-def _int8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def _half(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, ...]:
+    return (torch.randn(shape, generator=g).bfloat16(),)
+
+
+def _int8(shape: tuple[int, int], g: torch.Generator) -> tuple[torch.Tensor, ...]:
     return torch.randint(-127, 128, shape, dtype=torch.int8, generator=g), torch.rand(shape[0], 1, generator=g)
 
 
-def measure(repeats: int) -> dict[str, dict[str, float]]:
-    """GB/s (and the fixed cost in microseconds) of each kernel at one row."""
-    op = torch.ops.meshserve_cpu
+# Each kernel: its operator's name, how to make a weight of a shape, and the bytes of one weight element.
+KERNELS: tuple[tuple[str, Callable[[tuple[int, int], torch.Generator], tuple[torch.Tensor, ...]], int], ...] = (
+    ("half_linear", _half, 2),
+    ("int8_linear", _int8, 1),
+)
+
+
+def _rates(
+    op: Callable[..., torch.Tensor],
+    make: Callable[[tuple[int, int], torch.Generator], tuple[torch.Tensor, ...]],
+    element_bytes: int,
+    repeats: int,
+) -> dict[str, float]:
     g = torch.Generator().manual_seed(0)
     shapes = [*LAYER_SHAPES * LAYERS, LM_HEAD]
     total = sum(n * k for n, k in shapes)
     x = {k: torch.randn(1, k, generator=g).bfloat16() for k in {k for _, k in shapes}}
-    half = [torch.randn(shape, generator=g).bfloat16() for shape in shapes]
-    int8 = [_int8(shape, g) for shape in shapes]
-    big_half = torch.randn(total // LM_HEAD[1], LM_HEAD[1], generator=g).bfloat16()
-    big_int8 = _int8((total // LM_HEAD[1], LM_HEAD[1]), g)
-    hot_half = torch.randn(HOT_SHAPE, generator=g).bfloat16()
-    hot_int8 = _int8(HOT_SHAPE, g)
-    fixed_half = torch.randn(FIXED_SHAPE, generator=g).bfloat16()
-    fixed_int8 = _int8(FIXED_SHAPE, g)
     x_big, hot_calls = x[LM_HEAD[1]], 200
+    step = [make(shape, g) for shape in shapes]
+    big = make((total // LM_HEAD[1], LM_HEAD[1]), g)
+    in_l3 = make(HOT_SHAPE, g)
+    fixed = make(FIXED_SHAPE, g)
 
-    def rate(weight_bytes: int, seconds: float) -> float:
-        return round(weight_bytes / seconds / 1e9, 2)
+    def gbs(weights: int, seconds: float) -> float:
+        return round(weights * element_bytes / seconds / 1e9, 2)
 
-    def hot(fn: Callable[[], object]) -> float:
-        return _median_seconds(lambda: [fn() for _ in range(hot_calls)], repeats) / hot_calls
+    def per_call(weight: tuple[torch.Tensor, ...]) -> float:
+        return _median_seconds(lambda: [op(x_big, *weight) for _ in range(hot_calls)], repeats) / hot_calls
 
     return {
-        "half_linear": {
-            "step GB/s": rate(
-                2 * total, _median_seconds(lambda: [op.half_linear(x[w.shape[1]], w) for w in half], repeats)
-            ),
-            "one matrix GB/s": rate(
-                2 * big_half.numel(), _median_seconds(lambda: op.half_linear(x_big, big_half), repeats)
-            ),
-            "in L3 GB/s": rate(2 * hot_half.numel(), hot(lambda: op.half_linear(x_big, hot_half))),
-            "fixed cost us": round(hot(lambda: op.half_linear(x_big, fixed_half)) * 1e6, 2),
-        },
-        "int8_linear": {
-            "step GB/s": rate(
-                total, _median_seconds(lambda: [op.int8_linear(x[q.shape[1]], q, s) for q, s in int8], repeats)
-            ),
-            "one matrix GB/s": rate(
-                big_int8[0].numel(), _median_seconds(lambda: op.int8_linear(x_big, *big_int8), repeats)
-            ),
-            "in L3 GB/s": rate(hot_int8[0].numel(), hot(lambda: op.int8_linear(x_big, *hot_int8))),
-            "fixed cost us": round(hot(lambda: op.int8_linear(x_big, *fixed_int8)) * 1e6, 2),
-        },
+        "step GB/s": gbs(total, _median_seconds(lambda: [op(x[w[0].shape[1]], *w) for w in step], repeats)),
+        "one matrix GB/s": gbs(big[0].numel(), _median_seconds(lambda: op(x_big, *big), repeats)),
+        "in L3 GB/s": gbs(in_l3[0].numel(), per_call(in_l3)),
+        "fixed cost us": round(per_call(fixed) * 1e6, 2),
+    }
+
+
+def measure(repeats: int) -> dict[str, dict[str, float]]:
+    """GB/s (and the fixed cost in microseconds) of each kernel at one row."""
+    return {
+        name: _rates(getattr(torch.ops.meshserve_cpu, name), make, element_bytes, repeats)
+        for name, make, element_bytes in KERNELS
     }
 
 
