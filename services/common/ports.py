@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import socket
+import threading
 from pathlib import Path
 
 # Where metrics are served: every container of the deploy files, and `meshserve up`'s first metrics port
@@ -21,6 +22,12 @@ EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 # Linux's default ip_local_port_range, where the file cannot be read.
 DEFAULT_EPHEMERAL_RANGE = (32768, 60999)
 
+# Ports this process has handed out. A launcher picks every service's port before any of them binds, so a
+# port free at the second pick may be the first pick's: nothing listens on it yet. Never handing one out
+# twice closes that gap (the suite once started a worker on the scheduler's port: "Address already in use").
+_handed_out: set[int] = set()
+_handed_out_lock = threading.Lock()
+
 
 def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
     """The kernel's range for ports it picks itself (ip_local_port_range)."""
@@ -34,13 +41,19 @@ def ephemeral_range(path: Path = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
 def free_port(host: str = "127.0.0.1", ephemeral: tuple[int, int] | None = None) -> int:
     """A port nothing listens on right now, below the kernel's ephemeral range where it leaves room."""
     low, _ = ephemeral or ephemeral_range()
-    if low > FIRST_FREE_PORT:
-        for port in random.sample(range(FIRST_FREE_PORT, low), min(FREE_PORT_ATTEMPTS, low - FIRST_FREE_PORT)):
-            if _bindable(host, port):
+    with _handed_out_lock:
+        if low > FIRST_FREE_PORT:
+            for port in random.sample(range(FIRST_FREE_PORT, low), min(FREE_PORT_ATTEMPTS, low - FIRST_FREE_PORT)):
+                if port not in _handed_out and _bindable(host, port):
+                    _handed_out.add(port)
+                    return port
+        while True:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                sock.bind((host, 0))
+                port = int(sock.getsockname()[1])
+            if port not in _handed_out:
+                _handed_out.add(port)
                 return port
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _bindable(host: str, port: int) -> bool:

@@ -7,8 +7,9 @@ TP ranks are contiguous (one host's devices) and rank 0 (stage 0, TP rank 0) dri
 from __future__ import annotations
 
 import datetime
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,30 @@ class DistInit:
     local_rank: int
     # tcp://host:port of rank 0's rendezvous store.
     init_method: str
+    # The store rank 0 already listens with (open_local_rendezvous), or None: rank 0 opens it at init_method.
+    # It stays in the process that opened it: each spawned rank gets a DistInit of its own without it.
+    store: Any = field(default=None, compare=False, repr=False)
+
+
+def open_local_rendezvous(world_size: int) -> tuple[str, Any]:
+    """Rank 0's store on a loopback port the kernel picks as it binds, and the init_method for the others.
+
+    Picking a free port first and binding it later leaves a gap in which another process (a service the
+    same launcher is starting) can bind that port; binding port 0 leaves none."""
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT,
+                          wait_for_workers=False)  # fmt: skip
+    return f"tcp://127.0.0.1:{store.port}", store
+
+
+def _rendezvous_store(init: DistInit) -> Any:
+    """This rank's handle on rank 0's store: the one already open, or a new server (rank 0) or client."""
+    if init.store is not None:
+        return init.store
+    address = urlparse(init.init_method)
+    if address.scheme != "tcp" or address.hostname is None or address.port is None:
+        raise ValueError(f"init_method {init.init_method!r} is not tcp://host:port")
+    return dist.TCPStore(address.hostname, address.port, init.world_size, is_master=init.rank == 0,
+                         timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)  # fmt: skip
 
 
 class RankGroup:
@@ -192,9 +217,10 @@ def init_groups(backend: str, init: DistInit, tensor_parallel_size: int) -> Work
         return WorkerGroups(ONE_RANK, SINGLE)
     if init.world_size % tensor_parallel_size:
         raise ValueError(f"{init.world_size} ranks do not split into TP groups of {tensor_parallel_size}")
+    # Every rank passes a store (none the tcp:// URL), so all of them see its keys under the same prefix.
     dist.init_process_group(
         backend=backend,
-        init_method=init.init_method,
+        store=_rendezvous_store(init),
         rank=init.rank,
         world_size=init.world_size,
         timeout=COLLECTIVE_TIMEOUT,

@@ -19,7 +19,6 @@ from services.common.grpc_server import GrpcService
 from services.common.logs import configure_logging
 from services.common.metrics.names import MODEL_NAME_LABEL
 from services.common.model_paths import resolve_model_path
-from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import worker_pb2
 from services.common.tls import load_security
 from services.worker.attach import AttachClient, ModelThreadHung, StepExecutor, with_test_faults
@@ -76,11 +75,15 @@ def engine_config(settings: WorkerSettings, device: str) -> EngineConfig:
     )
 
 
-def rendezvous(settings: WorkerSettings) -> str:
-    """tcp://host:port all ranks meet at: --dist-init-addr, or a free loopback port for one host."""
+def rendezvous(settings: WorkerSettings, first_rank: int) -> DistInit:
+    """Rank 0's place among the ranks and where all meet: --dist-init-addr, or, on one host, a store
+    already listening on a loopback port (see open_local_rendezvous)."""
+    from services.worker.distributed import DistInit, open_local_rendezvous
+
     if settings.dist_init_addr:
-        return f"tcp://{settings.dist_init_addr}"
-    return f"tcp://127.0.0.1:{free_port()}"
+        return DistInit(first_rank, settings.world_size, 0, f"tcp://{settings.dist_init_addr}")
+    init_method, store = open_local_rendezvous(settings.world_size)
+    return DistInit(first_rank, settings.world_size, 0, init_method, store)
 
 
 def _fail(message: str) -> None:
@@ -93,7 +96,6 @@ async def serve(settings: WorkerSettings) -> int:
     """Load, attach, and serve steps until SIGTERM; then drain and detach. Returns the exit code."""
     configure_logging("worker", settings.log_level, settings.log_format)
     # torch loads only in the process that runs the model, after logging is set up.
-    from services.worker.distributed import DistInit
     from services.worker.platforms import resolve_device
     from services.worker.ranks import RankSpec, prepare_rank, spawn_local_ranks
     from services.worker.startup_error import StartupError
@@ -108,7 +110,7 @@ async def serve(settings: WorkerSettings) -> int:
     dist = None
     processes: list[BaseProcess] = []
     if settings.world_size > 1:
-        dist = DistInit(rank=first_rank, world_size=settings.world_size, local_rank=0, init_method=rendezvous(settings))
+        dist = rendezvous(settings, first_rank)
         spec = RankSpec(config, dist, settings.ranks_per_node, settings.cpu_binding, settings.log_level,
                         settings.log_format)  # fmt: skip
         processes = spawn_local_ranks(spec, first_rank)

@@ -31,6 +31,18 @@ def test_a_port_in_use_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> N
         assert port != busy
 
 
+def test_a_port_handed_out_but_not_yet_bound_is_never_handed_out_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A launcher picks the scheduler's, each worker's and the gateway's ports before any of them binds: every
+    # try proposing the first pick again must still give a second, different port.
+    first = free_port()
+    low = max(first, FIRST_FREE_PORT) + 1
+    monkeypatch.setattr(ports.random, "sample", lambda population, k: [first] * k)
+    second = free_port(ephemeral=(low, 65535))
+    assert second != first
+    third = free_port(ephemeral=(low, 65535))
+    assert third not in (first, second)
+
+
 def test_no_room_below_the_range_falls_back_to_the_kernels_pick() -> None:
     port = free_port(ephemeral=(FIRST_FREE_PORT - 1000, 65535))
     assert 0 < port <= 65535
