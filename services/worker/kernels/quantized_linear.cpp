@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <initializer_list>
@@ -261,6 +262,114 @@ inline void dot_one_row(const float* x, int64_t k_size, const int8_t* w, const f
   }
 }
 
+// One-row steps in integers. Widening each int8 weight to float before its FMA (dot_one_row) costs three
+// instructions per 8 weights, and on a CPU whose AVX2 units are 128 bits wide (the Zen 1 EPYC) that bound
+// the kernel below the memory's rate (~9 GB/s from the L3; docs/benchmarks.md). Rounded to int16, x meets
+// the weights in vpmaddwd: three instructions per 16 weights, exact integer sums. The rounding is x's one
+// loss: one scale per row (max|x| -> kXLevels), an error of at most max|x| / 65534 an element -- below
+// bf16's own rounding of all but x's smallest elements, and far below int8 weights' (docs/benchmarks.md,
+// the precision check). Where x is not finite, the float path runs instead, so inf and NaN propagate; so it
+// does for float32 x (see int8_linear).
+constexpr int64_t kXLevels = 32767;
+// Integer sums widened to float and added once per span: an int32 lane adds two products of at most
+// 128 * kXLevels per vector of 16 columns, so 128 vectors stay a quarter below 2^31.
+constexpr int64_t kIntSpanColumns = 2048;
+constexpr int64_t kIntVector = 16;
+
+// x's one row rounded (half to even) to int16 with scale max|x| / kXLevels, into a buffer the calling thread
+// keeps; false where x holds inf or NaN. The scale is 0 (and every code 0) for an all-zero row.
+inline bool round_row(const float* x, int64_t k_size, std::vector<int16_t>& codes, float& scale) {
+  float amax = 0.f, poison = 0.f;
+  for (int64_t k = 0; k < k_size; ++k) {
+    amax = std::max(amax, std::fabs(x[k]));
+    poison += x[k] * 0.f;  // NaN once any element is inf or NaN (a comparison would skip a NaN)
+  }
+  if (!std::isfinite(amax) || std::isnan(poison)) return false;
+  codes.resize(k_size);
+  scale = amax / static_cast<float>(kXLevels);
+  const float inv = amax > 0.f ? static_cast<float>(kXLevels) / amax : 0.f;
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  const __m256 inv_v = _mm256_set1_ps(inv);
+  for (; k + 8 <= k_size; k += 8) {
+    const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv_v));
+    const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + k), packed);
+  }
+#endif
+  for (; k < k_size; ++k) codes[k] = static_cast<int16_t>(std::nearbyint(x[k] * inv));
+  return true;
+}
+
+// acc[j] = x_scale * scales[j] * sum_k codes[k] * w[j][k] for NB int8 weight rows (row stride k_size): the
+// sums exact in int32 within each span, widened and added in float across spans. Each output's sums run
+// the same way whatever NB, so an output does not depend on the rows it shares a pass with.
+template <int64_t NB>
+inline void int_dot_one_row(const int16_t* codes, int64_t k_size, const int8_t* w, float x_scale,
+                            const float* scales, float* acc) {
+  const int64_t vectors = k_size / kIntVector;
+  float totals[NB];
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  constexpr int64_t kSpanVectors = kIntSpanColumns / kIntVector;
+  __m256 fsums[NB];
+  for (int64_t j = 0; j < NB; ++j) fsums[j] = _mm256_setzero_ps();
+  auto product = [&](int64_t j, int64_t v, __m256i xv) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k_size + v * kIntVector));
+    return _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(bytes));
+  };
+  for (int64_t v0 = 0; v0 < vectors; v0 += kSpanVectors) {
+    const int64_t v1 = std::min(vectors, v0 + kSpanVectors);
+    // Two sums a row (exact integers: how the vectors split between them changes nothing).
+    __m256i even[NB], odd[NB];
+    for (int64_t j = 0; j < NB; ++j) even[j] = odd[j] = _mm256_setzero_si256();
+    int64_t v = v0;
+    for (; v + 2 <= v1; v += 2) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + v * kIntVector));
+      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (v + 1) * kIntVector));
+      for (int64_t j = 0; j < NB; ++j) {
+        even[j] = _mm256_add_epi32(even[j], product(j, v, x0));
+        odd[j] = _mm256_add_epi32(odd[j], product(j, v + 1, x1));
+      }
+    }
+    if (v < v1) {
+      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + v * kIntVector));
+      for (int64_t j = 0; j < NB; ++j) even[j] = _mm256_add_epi32(even[j], product(j, v, x0));
+    }
+    for (int64_t j = 0; j < NB; ++j)
+      fsums[j] = _mm256_add_ps(fsums[j], _mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])));
+  }
+  for (int64_t j = 0; j < NB; ++j) {
+    __m128 four = _mm_add_ps(_mm256_castps256_ps128(fsums[j]), _mm256_extractf128_ps(fsums[j], 1));
+    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+    totals[j] = _mm_cvtss_f32(_mm_add_ss(four, _mm_shuffle_ps(four, four, 1)));
+  }
+#else
+  // The portable build: each span's exact sum, widened and added in float (the compiler vectorises the span).
+  for (int64_t j = 0; j < NB; ++j) {
+    totals[j] = 0.f;
+    for (int64_t k0 = 0; k0 < vectors * kIntVector; k0 += kIntSpanColumns) {
+      const int64_t k1 = std::min(vectors * kIntVector, k0 + kIntSpanColumns);
+      int32_t span = 0;
+      for (int64_t k = k0; k < k1; ++k) span += static_cast<int32_t>(codes[k]) * w[j * k_size + k];
+      totals[j] += static_cast<float>(span);
+    }
+  }
+#endif
+  for (int64_t j = 0; j < NB; ++j) {
+    int32_t tail = 0;
+    for (int64_t k = vectors * kIntVector; k < k_size; ++k) tail += static_cast<int32_t>(codes[k]) * w[j * k_size + k];
+    acc[j] = (totals[j] + static_cast<float>(tail)) * x_scale * scales[j];
+  }
+}
+
+// Weight rows a pass of one-row integer steps: x's codes come from L1 whatever the count, and on the Zen 1
+// EPYC one row a pass read a matrix from memory at 12.9 GB/s where passes of 4 (four streams) read 9.1
+// (docs/benchmarks.md).
+#ifndef INT_NB
+#define INT_NB 1
+#endif
+constexpr int64_t kIntWeightRows = INT_NB;
+
 // y[M, N] = x[M, K] W^T with W[n, k] = q[n, k] * scales[n, k / group]: float32 accumulation, each output
 // rounded once to x's dtype, as a half-precision GEMM with float32 accumulation rounds (the reference
 // dequantises and matmuls).
@@ -287,15 +396,27 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
     const float* sp = sc.data_ptr<float>();
     scalar_t* op = out.data_ptr<scalar_t>();
     if (rows == 1 && groups == 1) {
+      thread_local std::vector<int16_t> codes;
+      float x_scale = 0.f;
+      // float32 x keeps the float path: an fp32 precision asks for fp32 arithmetic, and a request's
+      // output in it then changes with its batch only by the order of sums (larger steps never round x).
+      const bool integer = x.scalar_type() != at::kFloat && round_row(xp, k_size, codes, x_scale);
+      const int16_t* cp = codes.data();
       at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
         float acc[kInt8WeightRows];
         for (int64_t n = begin; n < end; n += kInt8WeightRows) {
           const int64_t count = std::min(kInt8WeightRows, end - n);
           for (int64_t j = 0; j < count; ++j) prefetch_ahead(n + j, end, {{qp, k_size}});
-          if (count == kInt8WeightRows) {
-            dot_one_row<kInt8WeightRows>(xp, k_size, qp + n * k_size, sp + n, acc);
+          const int8_t* wn = qp + n * k_size;
+          if (integer) {
+            int64_t j = 0;
+            for (; j + kIntWeightRows <= count; j += kIntWeightRows)
+              int_dot_one_row<kIntWeightRows>(cp, k_size, wn + j * k_size, x_scale, sp + n + j, acc + j);
+            for (; j < count; ++j) int_dot_one_row<1>(cp, k_size, wn + j * k_size, x_scale, sp + n + j, acc + j);
+          } else if (count == kInt8WeightRows) {
+            dot_one_row<kInt8WeightRows>(xp, k_size, wn, sp + n, acc);
           } else {
-            for (int64_t j = 0; j < count; ++j) dot_one_row<1>(xp, k_size, qp + (n + j) * k_size, sp + n + j, acc + j);
+            for (int64_t j = 0; j < count; ++j) dot_one_row<1>(xp, k_size, wn + j * k_size, sp + n + j, acc + j);
           }
           for (int64_t j = 0; j < count; ++j) op[n + j] = static_cast<scalar_t>(acc[j]);
         }

@@ -1,5 +1,8 @@
 """Weight-only int8 (`--quantization int8`): each linear's weight rounded to int8 with one float32 scale
-per output row (torchao's int8 weight-only), activations left in the compute dtype (W8A16).
+per output row (torchao's int8 weight-only), activations left in the compute dtype (W8A16) -- except in a
+one-row step (a single decode) in bf16 or fp16, where the native kernel rounds x's row to int16 codes (a
+16-bit activation with one scale a row) so that the products run in integers: see
+int8_rounded_row_reference.
 
 Scales per group of input columns (llama.cpp's Q8_0 idea) are supported by quantize_int8 and the
 kernel, but not the default: on SmolLM2, groups of 64 took the logit error from 4.9% to 4.1% and
@@ -228,6 +231,26 @@ def weight_rows_count(weight: QuantizedWeight) -> int:
 def quantized_linear_reference(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """x W^T with W dequantised: float32 products and sums, rounded once to x's dtype (the oracle)."""
     return F.linear(x.float(), weight.dequantize(torch.float32)).to(x.dtype)
+
+
+# The native kernel's one-row steps on one scale a row (a single decode, the default int8) with bf16 or fp16 x
+# round x's row to int16 codes, max|x| -> X_CODE_LEVELS, and sum exactly in integers (quantized_linear.cpp,
+# round_row). float32 x keeps float products.
+X_CODE_LEVELS = 32767
+
+
+def int8_rounded_row_reference(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    """What the native kernel computes for a one-row step on one scale a row (the oracle): each row of x
+    rounded half to even at float32 scale max|x| / X_CODE_LEVELS, exact integer products and sums, times
+    x's scale, then the weight row's, rounded once to x's dtype."""
+    rows = x.float()
+    amax = rows.abs().amax(dim=1, keepdim=True)
+    levels = torch.tensor(float(X_CODE_LEVELS))
+    inv = torch.where(amax > 0, levels / amax, torch.zeros_like(amax))
+    codes = torch.round(rows * inv)
+    # Integers far below 2^53: float64 sums them exactly.
+    exact = (codes.double() @ weight.qweight.double().T).float()
+    return (exact * (amax / levels) * weight.scales[:, 0]).to(x.dtype)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from services.worker.layers.attention import (
 from services.worker.layers.quantization import (
     HalfWeight,
     QuantizedWeight,
+    int8_rounded_row_reference,
     quantize_int4,
     quantize_int8,
     quantized_linear_reference,
@@ -307,8 +308,63 @@ def test_int8_linear_matches_the_dequantised_reference(
     g = torch.Generator().manual_seed(rows)
     weight = quantize_int8(torch.randn(70, in_features, generator=g) * 0.05, group_size=group_size)
     x = torch.randn(rows, in_features, generator=g).to(dtype)
-    # Both sum in float32 and round once; only the order of the sums differs.
-    _ulp_close(native.int8_linear(x, weight), quantized_linear_reference(x, weight))
+    # Both sum in float32 and round once; only the order of the sums differs. One row of half-precision x on
+    # one scale a row rounds x to int16 codes and sums exactly in integers: its oracle rounds x the same way.
+    one_row = rows == 1 and weight.scales.shape[1] == 1 and dtype != torch.float32
+    expected = int8_rounded_row_reference(x, weight) if one_row else quantized_linear_reference(x, weight)
+    _ulp_close(native.int8_linear(x, weight), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_one_row_int8_step_rounds_x_to_16_bits_and_no_further(native: NativeCpuOps, dtype: torch.dtype) -> None:
+    # x with an outlier (LLM activations have them) and elements 2^-12 of it: the 16-bit codes keep each
+    # output within max|x| * sum|w| / 65534 of the exact product.
+    g = torch.Generator().manual_seed(7)
+    weight = quantize_int8(torch.randn(40, 1540, generator=g) * 0.05)
+    x = torch.randn(1, 1540, generator=g) * 2.0**-12
+    x[0, 100] = 3.0
+    x = x.to(dtype)
+    got = native.int8_linear(x, weight)
+    _ulp_close(got, int8_rounded_row_reference(x, weight))
+    exact = quantized_linear_reference(x.float(), weight)
+    bound = x.float().abs().amax() * weight.dequantize(torch.float32).abs().sum(dim=1) / 65534
+    assert bool(((got.float() - exact).abs() <= bound + exact.abs() * 2.0**-7).all())
+
+
+def test_a_one_row_int8_step_of_the_largest_codes_does_not_overflow(native: NativeCpuOps) -> None:
+    # Every product at 127 * 32767 and of one sign over 16,392 columns (Llama-8B's MLP is 14,336 wide): an
+    # int32 lane summing a whole row would pass 2^31; the kernel widens the sums every 2,048 columns.
+    g = torch.Generator().manual_seed(9)
+    signs = torch.where(torch.rand(6, 16392, generator=g) > 0.5, 1.0, -1.0)
+    weight = quantize_int8(signs * 0.01)
+    assert bool((weight.qweight.abs() == 127).all())
+    x = signs[2:3].bfloat16()
+    got = native.int8_linear(x, weight)
+    _ulp_close(got, int8_rounded_row_reference(x, weight))
+    assert float(got[0, 2]) == pytest.approx(16392 * 0.01, rel=2**-7)
+
+
+def test_a_one_row_int8_step_with_inf_or_nan_in_x_propagates_it(native: NativeCpuOps) -> None:
+    weight = quantize_int8(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))
+    for bad in (float("inf"), float("nan")):
+        x = torch.ones(1, 64, dtype=torch.bfloat16)
+        x[0, 5] = bad
+        assert not bool(torch.isfinite(native.int8_linear(x, weight)).any()), bad
+    zero = torch.zeros(1, 64, dtype=torch.bfloat16)
+    assert torch.equal(native.int8_linear(zero, weight), torch.zeros(1, 8, dtype=torch.bfloat16))
+
+
+def test_a_one_row_int8_step_in_float32_keeps_x_unrounded(native: NativeCpuOps) -> None:
+    # x's elements 2^-20 of its largest: 16-bit codes would round them all to 0.
+    g = torch.Generator().manual_seed(4)
+    weight = quantize_int8(torch.randn(8, 64, generator=g))
+    x = torch.randn(1, 64, generator=g) * 2.0**-20
+    x[0, 0] = 0.0
+    x[0, 1] = 1.0
+    weight.qweight[:, 1] = 0
+    got = native.int8_linear(x, weight)
+    _ulp_close(got, quantized_linear_reference(x, weight))
+    assert bool((got != 0).all())
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -560,6 +616,7 @@ else:
 from services.worker.kernels import loader
 from services.worker.layers import norm
 from services.worker.layers.attention import HND, decode_attention, prefill_attention
+from services.worker.layers.quantization import int8_rounded_row_reference, quantize_int8
 
 assert loader.isa()[0] == mode
 torch.ops.load_library(str(loader.build(cache)))
@@ -581,6 +638,11 @@ truth = prefill_attention(q.float(), k_cache.float(), v_cache.float(), tables, l
 torch.testing.assert_close(got.float(), truth, rtol=2**-7, atol=2**-7)
 x, w = torch.randn(3, 576, generator=g).bfloat16(), torch.randn(576, generator=g).bfloat16()
 torch.testing.assert_close(torch.ops.meshserve_cpu.rms_norm(x, w, 1e-5), norm.rms_norm(x, w, 1e-5), rtol=2**-7, atol=0)
+# A one-row int8 step: x rounded to int16 codes, integer sums over two spans and a tail.
+w8 = quantize_int8(torch.randn(10, 2100, generator=g) * 0.05)
+x8 = torch.randn(1, 2100, generator=g).bfloat16()
+got = torch.ops.meshserve_cpu.int8_linear(x8, w8.qweight, w8.scales)
+torch.testing.assert_close(got, int8_rounded_row_reference(x8, w8), rtol=2**-7, atol=1e-5)
 print(mode, "ok")
 """
 
