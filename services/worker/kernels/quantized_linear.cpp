@@ -233,8 +233,8 @@ inline void dot_block(int64_t rows, const float* x, int64_t k_size, const int8_t
   with_rows<kInt8Rows>(rows, "dot_block", [&]<int64_t R>() { dot_rows<R>(x, k_size, w, scales, group_size, acc); });
 }
 
-// A one-row step (a single decode) against per-row scales, the default: kInt8WeightRows weight rows a pass,
-// so each x vector is loaded once for all of them and their sums are independent FMA chains. One weight row
+// A one-row step (a single decode) against per-row scales in float: fp32 x, or x that is not finite (half
+// precision x takes int_dot_one_row below). kInt8WeightRows weight rows a pass, so each x vector is loaded once for all of them and their sums are independent FMA chains. One weight row
 // a pass (dot_rows) ran below the memory's rate even with the weights in cache, its serial reduction and
 // dispatch per row on top of the widening: int8 was bound by arithmetic (docs/benchmarks.md).
 constexpr int64_t kInt8WeightRows = 4;
