@@ -234,9 +234,10 @@ inline void dot_block(int64_t rows, const float* x, int64_t k_size, const int8_t
 }
 
 // A one-row step (a single decode) against per-row scales in float: fp32 x, or x that is not finite (half
-// precision x takes int_dot_one_row below). kInt8WeightRows weight rows a pass, so each x vector is loaded once for all of them and their sums are independent FMA chains. One weight row
-// a pass (dot_rows) ran below the memory's rate even with the weights in cache, its serial reduction and
-// dispatch per row on top of the widening: int8 was bound by arithmetic (docs/benchmarks.md).
+// precision x takes int_dot_row below). kInt8WeightRows weight rows a pass, so each x vector is loaded once
+// for all of them and their sums are independent FMA chains. One weight row a pass (dot_rows) ran below the
+// memory's rate even with the weights in cache, its serial reduction and dispatch per row on top of the
+// widening: int8 was bound by arithmetic (docs/benchmarks.md).
 constexpr int64_t kInt8WeightRows = 4;
 // Sums per output: with kInt8WeightRows outputs a pass, 2 chains each keep 8 FMAs in flight within 16 registers.
 constexpr int64_t kInt8Chains = 2;
@@ -301,74 +302,52 @@ inline bool round_row(const float* x, int64_t k_size, std::vector<int16_t>& code
   return true;
 }
 
-// acc[j] = x_scale * scales[j] * sum_k codes[k] * w[j][k] for NB int8 weight rows (row stride k_size): the
-// sums exact in int32 within each span, widened and added in float across spans. Each output's sums run
-// the same way whatever NB, so an output does not depend on the rows it shares a pass with.
-template <int64_t NB>
-inline void int_dot_one_row(const int16_t* codes, int64_t k_size, const int8_t* w, float x_scale,
-                            const float* scales, float* acc) {
+// x_scale * scale * sum_k codes[k] * w[k] for one int8 weight row: the sums exact in int32 within each span,
+// widened and added in float across spans. One weight row a pass: x's codes come from L1 whatever the
+// count, and on the Zen 1 EPYC passes of 4 rows (four memory streams) read a matrix from memory at 9.1
+// GB/s against 12.9 for one (docs/benchmarks.md). Integer sums are exact, so an output never depends on the
+// rows beside it.
+inline float int_dot_row(const int16_t* codes, int64_t k_size, const int8_t* w, float x_scale, float scale) {
   const int64_t vectors = k_size / kIntVector;
-  float totals[NB];
+  float total = 0.f;
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   constexpr int64_t kSpanVectors = kIntSpanColumns / kIntVector;
-  __m256 fsums[NB];
-  for (int64_t j = 0; j < NB; ++j) fsums[j] = _mm256_setzero_ps();
-  auto product = [&](int64_t j, int64_t v, __m256i xv) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + j * k_size + v * kIntVector));
-    return _mm256_madd_epi16(xv, _mm256_cvtepi8_epi16(bytes));
+  auto codes_at = [&](int64_t v) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + v * kIntVector));
   };
+  auto product = [&](int64_t v) {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + v * kIntVector));
+    return _mm256_madd_epi16(codes_at(v), _mm256_cvtepi8_epi16(bytes));
+  };
+  __m256 fsum = _mm256_setzero_ps();
   for (int64_t v0 = 0; v0 < vectors; v0 += kSpanVectors) {
     const int64_t v1 = std::min(vectors, v0 + kSpanVectors);
-    // Two sums a row (exact integers: how the vectors split between them changes nothing).
-    __m256i even[NB], odd[NB];
-    for (int64_t j = 0; j < NB; ++j) even[j] = odd[j] = _mm256_setzero_si256();
+    // Two sums (exact integers: how the vectors split between them changes nothing).
+    __m256i even = _mm256_setzero_si256(), odd = _mm256_setzero_si256();
     int64_t v = v0;
     for (; v + 2 <= v1; v += 2) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + v * kIntVector));
-      const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + (v + 1) * kIntVector));
-      for (int64_t j = 0; j < NB; ++j) {
-        even[j] = _mm256_add_epi32(even[j], product(j, v, x0));
-        odd[j] = _mm256_add_epi32(odd[j], product(j, v + 1, x1));
-      }
+      even = _mm256_add_epi32(even, product(v));
+      odd = _mm256_add_epi32(odd, product(v + 1));
     }
-    if (v < v1) {
-      const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + v * kIntVector));
-      for (int64_t j = 0; j < NB; ++j) even[j] = _mm256_add_epi32(even[j], product(j, v, x0));
-    }
-    for (int64_t j = 0; j < NB; ++j)
-      fsums[j] = _mm256_add_ps(fsums[j], _mm256_cvtepi32_ps(_mm256_add_epi32(even[j], odd[j])));
+    if (v < v1) even = _mm256_add_epi32(even, product(v));
+    fsum = _mm256_add_ps(fsum, _mm256_cvtepi32_ps(_mm256_add_epi32(even, odd)));
   }
-  for (int64_t j = 0; j < NB; ++j) {
-    __m128 four = _mm_add_ps(_mm256_castps256_ps128(fsums[j]), _mm256_extractf128_ps(fsums[j], 1));
-    four = _mm_add_ps(four, _mm_movehl_ps(four, four));
-    totals[j] = _mm_cvtss_f32(_mm_add_ss(four, _mm_shuffle_ps(four, four, 1)));
-  }
+  __m128 four = _mm_add_ps(_mm256_castps256_ps128(fsum), _mm256_extractf128_ps(fsum, 1));
+  four = _mm_add_ps(four, _mm_movehl_ps(four, four));
+  total = _mm_cvtss_f32(_mm_add_ss(four, _mm_shuffle_ps(four, four, 1)));
 #else
   // The portable build: each span's exact sum, widened and added in float (the compiler vectorises the span).
-  for (int64_t j = 0; j < NB; ++j) {
-    totals[j] = 0.f;
-    for (int64_t k0 = 0; k0 < vectors * kIntVector; k0 += kIntSpanColumns) {
-      const int64_t k1 = std::min(vectors * kIntVector, k0 + kIntSpanColumns);
-      int32_t span = 0;
-      for (int64_t k = k0; k < k1; ++k) span += static_cast<int32_t>(codes[k]) * w[j * k_size + k];
-      totals[j] += static_cast<float>(span);
-    }
+  for (int64_t k0 = 0; k0 < vectors * kIntVector; k0 += kIntSpanColumns) {
+    const int64_t k1 = std::min(vectors * kIntVector, k0 + kIntSpanColumns);
+    int32_t span = 0;
+    for (int64_t k = k0; k < k1; ++k) span += static_cast<int32_t>(codes[k]) * w[k];
+    total += static_cast<float>(span);
   }
 #endif
-  for (int64_t j = 0; j < NB; ++j) {
-    int32_t tail = 0;
-    for (int64_t k = vectors * kIntVector; k < k_size; ++k) tail += static_cast<int32_t>(codes[k]) * w[j * k_size + k];
-    acc[j] = (totals[j] + static_cast<float>(tail)) * x_scale * scales[j];
-  }
+  int32_t tail = 0;
+  for (int64_t k = vectors * kIntVector; k < k_size; ++k) tail += static_cast<int32_t>(codes[k]) * w[k];
+  return (total + static_cast<float>(tail)) * x_scale * scale;
 }
-
-// Weight rows a pass of one-row integer steps: x's codes come from L1 whatever the count, and on the Zen 1
-// EPYC one row a pass read a matrix from memory at 12.9 GB/s where passes of 4 (four streams) read 9.1
-// (docs/benchmarks.md).
-#ifndef INT_NB
-#define INT_NB 1
-#endif
-constexpr int64_t kIntWeightRows = INT_NB;
 
 // y[M, N] = x[M, K] W^T with W[n, k] = q[n, k] * scales[n, k / group]: float32 accumulation, each output
 // rounded once to x's dtype, as a half-precision GEMM with float32 accumulation rounds (the reference
@@ -401,22 +380,25 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
       // float32 x keeps the float path: an fp32 precision asks for fp32 arithmetic, and a request's
       // output in it then changes with its batch only by the order of sums (larger steps never round x).
       const bool integer = x.scalar_type() != at::kFloat && round_row(xp, k_size, codes, x_scale);
-      const int16_t* cp = codes.data();
+      if (integer) {
+        const int16_t* cp = codes.data();
+        at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
+          for (int64_t n = begin; n < end; ++n) {
+            prefetch_ahead(n, end, {{qp, k_size}});
+            op[n] = static_cast<scalar_t>(int_dot_row(cp, k_size, qp + n * k_size, x_scale, sp[n]));
+          }
+        });
+        return;
+      }
       at::parallel_for(0, n_size, 16, [&](int64_t begin, int64_t end) {
         float acc[kInt8WeightRows];
         for (int64_t n = begin; n < end; n += kInt8WeightRows) {
           const int64_t count = std::min(kInt8WeightRows, end - n);
           for (int64_t j = 0; j < count; ++j) prefetch_ahead(n + j, end, {{qp, k_size}});
-          const int8_t* wn = qp + n * k_size;
-          if (integer) {
-            int64_t j = 0;
-            for (; j + kIntWeightRows <= count; j += kIntWeightRows)
-              int_dot_one_row<kIntWeightRows>(cp, k_size, wn + j * k_size, x_scale, sp + n + j, acc + j);
-            for (; j < count; ++j) int_dot_one_row<1>(cp, k_size, wn + j * k_size, x_scale, sp + n + j, acc + j);
-          } else if (count == kInt8WeightRows) {
-            dot_one_row<kInt8WeightRows>(xp, k_size, wn, sp + n, acc);
+          if (count == kInt8WeightRows) {
+            dot_one_row<kInt8WeightRows>(xp, k_size, qp + n * k_size, sp + n, acc);
           } else {
-            for (int64_t j = 0; j < count; ++j) dot_one_row<1>(xp, k_size, wn + j * k_size, sp + n + j, acc + j);
+            for (int64_t j = 0; j < count; ++j) dot_one_row<1>(xp, k_size, qp + (n + j) * k_size, sp + n + j, acc + j);
           }
           for (int64_t j = 0; j < count; ++j) op[n + j] = static_cast<scalar_t>(acc[j]);
         }
