@@ -1,5 +1,5 @@
-"""Build the native CPU kernels (cpu_ops.cpp, quantized_linear.cpp) once per machine, cache the library, load it as
-torch.ops.meshserve_cpu.
+"""Build the native CPU kernels (cpu_ops.cpp, quantized_linear.cpp, decode_layers.cpp) once per machine, cache the
+library, load it as torch.ops.meshserve_cpu.
 
 The library is compiled for the vector ISA torch itself runs with here (AVX512, with or without AVX512-BF16,
 AVX2, or portable code), so it is built where it runs: by `make install`, by the images' build step, or by the
@@ -26,7 +26,7 @@ import torch
 
 KERNEL_DIR = Path(__file__).parent
 # The library's translation units, and the header they share (it keys the cache too).
-SOURCES = (KERNEL_DIR / "cpu_ops.cpp", KERNEL_DIR / "quantized_linear.cpp")
+SOURCES = (KERNEL_DIR / "cpu_ops.cpp", KERNEL_DIR / "quantized_linear.cpp", KERNEL_DIR / "decode_layers.cpp")
 HEADERS = (KERNEL_DIR / "cpu_common.h",)
 NAMESPACE = "meshserve_cpu"
 LIBRARY_NAME = "meshserve_cpu_ops"

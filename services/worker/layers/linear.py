@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from services.worker.distributed import TPGroup
+from services.worker.layers.decode_stack import StackLinear
 from services.worker.layers.dtypes import to_dtype
 from services.worker.layers.quantization import (
     HalfWeight,
@@ -77,6 +78,14 @@ def _matmul(
     return F.linear(x, to_dtype(weight, compute_dtype), bias)
 
 
+def _stack_linear(
+    quantized: QuantizedMatmul | None, bias: torch.Tensor | None, compute_dtype: torch.dtype
+) -> StackLinear | None:
+    return (
+        None if quantized is None else StackLinear(quantized, None if bias is None else to_dtype(bias, compute_dtype))
+    )
+
+
 def _check_shape(name: str, got: torch.Tensor, expected: tuple[int, ...]) -> None:
     if tuple(got.shape) != expected:
         raise ValueError(f"{name}: checkpoint slice has shape {tuple(got.shape)}, expected {expected}")
@@ -110,6 +119,10 @@ class ColumnParallelLinear(nn.Module):
             self.weight, self.bias, self.compute_dtype, self.packed, self.quantized
         )  # fmt: skip
         return lambda x: _matmul(x, weight, bias, compute_dtype, packed, quantized)
+
+    def stack_linear(self) -> StackLinear | None:
+        """This layer as a fused decode stack runs it (layers/decode_stack.py); None without a small-step kernel."""
+        return _stack_linear(self.quantized, self.bias, self.compute_dtype)
 
     def load_quantized(self, weight: QuantizedWeight, part: int) -> None:
         """Keep this rank's rows of checkpoint part `part` in the checkpoint's quantised format."""
@@ -171,6 +184,10 @@ class RowParallelLinear(nn.Module):
             return y if bias is None else y + bias
 
         return linear
+
+    def stack_linear(self) -> StackLinear | None:
+        """As ColumnParallelLinear.stack_linear; None on more than one rank too (a stack has no all-reduce)."""
+        return None if self.tp.size > 1 else _stack_linear(self.quantized, self.bias, self.compute_dtype)
 
     def load(self, kind: str, tensor: torch.Tensor, part: int) -> None:
         """Copy this rank's input columns of the weight, or the whole bias."""

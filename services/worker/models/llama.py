@@ -11,6 +11,7 @@ from torch import nn
 
 from services.worker.distributed import SINGLE, TPGroup
 from services.worker.layers.attention import AttentionMetadata
+from services.worker.layers.decode_stack import DecodeStack, FusedDecode, StackLayer
 from services.worker.layers.dtypes import to_dtype
 from services.worker.layers.linear import (
     ColumnParallelLinear,
@@ -166,10 +167,14 @@ class RMSNorm(nn.Module):
         self.accum = precision.accum
         self.compute = precision.compute
 
+    def accum_weight(self) -> torch.Tensor:
+        """The weight as the norm multiplies by it: in the accumulation dtype."""
+        return to_dtype(self.weight, self.accum)
+
     def bind(self) -> NormFn:
         """The norm with its weight (in the accumulation dtype) and ops fetched once; bind after loading."""
         accum, compute, eps = self.accum, self.compute, self.eps
-        weight = to_dtype(self.weight, accum)
+        weight = self.accum_weight()
         rms_norm, add_rms_norm = self.ops.rms_norm, self.ops.add_rms_norm
 
         def norm(x: torch.Tensor, residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,6 +285,18 @@ class LlamaDecoderLayer(nn.Module):
 
         return layer
 
+    def stack_layer(self) -> StackLayer | None:
+        """This layer as a fused decode stack runs it; None when a linear has no small-step kernel or needs an
+        all-reduce."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = [m.stack_linear() for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+        qkv, o, gate_up, down = linears
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return StackLayer(
+            self.input_layernorm.accum_weight(), qkv, o, self.post_attention_layernorm.accum_weight(), gate_up, down
+        )
+
 
 class LlamaModel(nn.Module):
     """Embedding (first stage), this stage's decoder layers and final norm (last stage)."""
@@ -319,6 +336,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.arch = LlamaArch.from_hf_config(hf_config)
         self.precision = precision
+        self.ops = ops
         self.stage = stage or whole_model(self.arch.num_layers)
         # This rank's share of KV heads: what its KV cache holds.
         self.num_kv_heads = HeadSplit.for_rank(self.arch, tp).num_kv_heads
@@ -329,8 +347,9 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = VocabParallelEmbedding(self.arch.vocab_size, self.arch.hidden_size, tp)
         inv_freq, scaling = inv_freq_for_config(hf_config, self.arch.head_dim)
         self.rotary = RotaryTable(inv_freq, max_positions, scaling)
-        # Each layer's and the final norm's bound forms (bind), once the weights are final.
-        self._bound: tuple[list[LayerFn], NormFn | None] | None = None
+        # Each layer's and the final norm's bound forms, and the platform's fused form of a decode step's layers
+        # where it has one (bind), once the weights are final.
+        self._bound: tuple[list[LayerFn], NormFn | None, FusedDecode | None] | None = None
 
     def to_device(self, device: torch.device) -> LlamaForCausalLM:
         """Move rotary tables along with parameters (they are not buffers, so loading never touches them)."""
@@ -353,7 +372,7 @@ class LlamaForCausalLM(nn.Module):
         if self._bound is None:
             self.bind()
         assert self._bound is not None
-        layers, final_norm = self._bound
+        layers, final_norm, fused = self._bound
         cos, sin = self.rotary.lookup(positions)
         residual: torch.Tensor | None = None
         if self.model.embed_tokens is not None:
@@ -361,8 +380,12 @@ class LlamaForCausalLM(nn.Module):
         else:
             assert carried is not None, "a stage after the first continues from the previous stage's activations"
             hidden, residual = carried
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
+        stepped = None if fused is None else fused(hidden, residual, cos, sin, kv_caches, meta)
+        if stepped is not None:
+            hidden, residual = stepped
+        else:
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden, residual = layer(hidden, residual, cos, sin, kv_cache, meta)
         if final_norm is None:
             assert residual is not None
             return hidden, residual
@@ -375,8 +398,28 @@ class LlamaForCausalLM(nn.Module):
         (docs/benchmarks.md); bound, a step calls little but its kernels. Call it once the weights are final
         (loaded, quantised, packed: the model runner does, at the end of loading); load_weights unbinds, and
         forward binds on first use if nobody did."""
-        layers = [cast(LlamaDecoderLayer, layer).bind() for layer in self.model.layers.values()]
-        self._bound = (layers, None if self.model.norm is None else self.model.norm.bind())
+        decoder_layers = [cast(LlamaDecoderLayer, layer) for layer in self.model.layers.values()]
+        layers = [layer.bind() for layer in decoder_layers]
+        final_norm = None if self.model.norm is None else self.model.norm.bind()
+        self._bound = (layers, final_norm, self._fused_decode(decoder_layers))
+
+    def _fused_decode(self, layers: list[LlamaDecoderLayer]) -> FusedDecode | None:
+        """The platform's one-call form of a decode step over these layers, where every layer has a stack form."""
+        stacked = [layer.stack_layer() for layer in layers]
+        if not stacked or any(layer is None for layer in stacked):
+            return None
+        attn = layers[0].self_attn
+        stack = DecodeStack(
+            layers=tuple(layer for layer in stacked if layer is not None),
+            eps=self.arch.rms_norm_eps,
+            scale=attn.scale,
+            num_heads=attn.num_heads,
+            num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim,
+            accum=self.precision.accum,
+            compute=self.precision.compute,
+        )
+        return self.ops.fused_decode(stack)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for hidden rows [N, hidden], on every rank of the last stage."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.engine_defaults import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from services.worker.layers.decode_stack import DecodeStack, FusedDecode
 from services.worker.layers.quantization import (
     BoundKernel,
     HalfWeight,
@@ -104,6 +105,11 @@ class Ops(abc.ABC):
         """The kernel for the weight's format with the weight bound (a KernelBinder: what a quantised layer's
         QuantizedMatmul runs); platforms with kernels bind theirs directly."""
         return binder_of(self.quantized_linear)(weight)
+
+    def fused_decode(self, stack: DecodeStack) -> FusedDecode | None:
+        """The stack's layers for a decode step in one call, computing what the per-layer path computes; None where
+        the platform has no such form (every step then runs layer by layer)."""
+        return None
 
     def quantized_linear(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
         """The kernel for the weight's format."""

@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 
 from services.worker.layers import attention
+from services.worker.layers.decode_stack import DecodeStack, FusedDecode
 from services.worker.layers.quantization import BoundKernel, HalfWeight, Int4Weight, Int8Weight, QuantizedWeight
 from services.worker.platforms.reference_ops import ReferenceOps
+
+# A quantised weight's kernel, told by how many tensors it takes after x (kernel_operands): decode_layers.cpp picks
+# the same kernels by the same counts.
+_KERNEL_BY_OPERANDS = {1: "half_linear", 2: "int8_linear", 3: "int4_linear"}
+
+
+def kernel_operands(weight: QuantizedWeight) -> tuple[torch.Tensor, ...]:
+    """The tensors the weight's kernel takes after x, in its signature's order."""
+    if isinstance(weight, Int4Weight):
+        return weight.packed, weight.scales, weight.offsets
+    if isinstance(weight, HalfWeight):
+        return (weight.weight,)
+    assert isinstance(weight, Int8Weight)
+    return weight.qweight, weight.scales
 
 
 @functools.cache
@@ -61,15 +77,56 @@ class NativeCpuOps(ReferenceOps):
 
     def quantized_kernel(self, weight: QuantizedWeight) -> BoundKernel:
         """The weight's kernel overload with its tensors bound: a step's call goes straight to the kernel."""
-        kernels = torch.ops.meshserve_cpu
-        if isinstance(weight, Int4Weight):
-            int4, packed, scales, offsets = kernels.int4_linear.default, weight.packed, weight.scales, weight.offsets
-            return lambda x: int4(x, packed, scales, offsets)
-        if isinstance(weight, HalfWeight):
-            half, half_weight = kernels.half_linear.default, weight.weight
-            return lambda x: half(x, half_weight)
-        int8, qweight, row_scales = kernels.int8_linear.default, weight.qweight, weight.scales
-        return lambda x: int8(x, qweight, row_scales)
+        operands = kernel_operands(weight)
+        kernel = getattr(torch.ops.meshserve_cpu, _KERNEL_BY_OPERANDS[len(operands)]).default
+        return lambda x: kernel(x, *operands)
+
+    def fused_decode(self, stack: DecodeStack) -> FusedDecode | None:
+        """decode_layers.cpp: the same kernels in the same order as the per-layer path, without the Python between
+        them. It takes steps whose every sequence has one query token, of at most stack.max_rows rows (every linear
+        on its small-step kernel), with the KV cache in the compute dtype (the native cache write and decode
+        attention; another KV dtype goes through the reference ops). A head shape the decode attention kernel has
+        no register layout for gets none."""
+        if not stack.layers or not _native_decode_shape(stack.head_dim, stack.num_heads // stack.num_kv_heads):
+            return None
+        norms = [norm for layer in stack.layers for norm in (layer.input_norm, layer.post_norm)]
+        weights: list[torch.Tensor] = []
+        counts: list[int] = []
+        biases: list[torch.Tensor | None] = []
+        for layer in stack.layers:
+            for linear in layer.linears:
+                operands = kernel_operands(linear.matmul.weight)
+                weights.extend(operands)
+                counts.append(len(operands))
+                biases.append(linear.bias)
+        op, layout, max_rows, compute = (
+            torch.ops.meshserve_cpu.decode_layers.default,
+            self.kv_layout,
+            stack.max_rows,
+            stack.compute,
+        )
+        shape = (stack.eps, stack.scale, stack.num_heads, stack.num_kv_heads, stack.head_dim, stack.accum, compute)
+
+        def fused(
+            hidden: torch.Tensor,
+            residual: torch.Tensor | None,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+            meta: attention.AttentionMetadata,
+        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+            rows = hidden.shape[0]
+            if rows > max_rows or rows != meta.seq_lens.shape[0] or kv_caches[0][0].dtype != compute:
+                return None
+            k_caches = [attention.head_major(k, layout) for k, _ in kv_caches]
+            v_caches = [attention.head_major(v, layout) for _, v in kv_caches]
+            out, new_residual = op(
+                hidden, residual, cos, sin, norms, weights, counts, biases, k_caches, v_caches,
+                meta.slot_mapping, meta.block_tables, meta.seq_lens, *shape,
+            )  # fmt: skip
+            return out, new_residual
+
+        return fused
 
     def int8_linear(self, x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
         """Each int8 weight vector widened once in registers and used for every row (kernels/quantized_linear.cpp)."""
