@@ -116,15 +116,15 @@ class Checked:
         assert torch.equal(out[1], expected_residual), (out[1] - expected_residual).abs().max()
 
 
-def _drive(runner: ModelRunner, checked: Checked) -> list[list[int]]:
-    # Staggered arrivals: steps that mix a prefill chunk with decodes (declined), and pure decode steps of 1-4 rows.
+def _staggered(runner: ModelRunner) -> list[list[int]]:
+    """Greedy outputs of PROMPTS arriving one a step: steps that mix a prefill chunk with decodes, and pure decode
+    steps of 1-4 rows."""
     driver = Driver(runner, chunk=5)
     reqs = []
     for i, prompt in enumerate(PROMPTS):
         reqs.append(driver.add(Req(f"r{i}", prompt, 6)))
         driver.step()
     driver.run()
-    assert checked.taken > 0 and checked.declined > 0
     return [r.outputs for r in reqs]
 
 
@@ -150,19 +150,14 @@ def test_fused_decode_steps_equal_the_per_layer_path(
         assert runner.platform.half_max_rows(torch.bfloat16) == 0
         pytest.skip("this CPU's bf16 GEMM is native: the bf16 weights take no small-step kernel here")
     checked = Checked(runner)
-    outputs = _drive(runner, checked)
+    outputs = _staggered(runner)
+    assert checked.taken > 0 and checked.declined > 0
     # And the same tokens as a runner that never takes the fused form.
     plain = _runner(request.getfixturevalue(model), **kw)
     plain.model.bind()
     assert plain.model._bound is not None
     plain.model._bound = (*plain.model._bound[:2], None)
-    driver = Driver(plain, chunk=5)
-    reqs = []
-    for i, prompt in enumerate(PROMPTS):
-        reqs.append(driver.add(Req(f"r{i}", prompt, 6)))
-        driver.step()
-    driver.run()
-    assert [r.outputs for r in reqs] == outputs
+    assert _staggered(plain) == outputs
 
 
 def test_steps_past_the_small_step_rows_run_layer_by_layer(llama_dir: Path) -> None:
