@@ -119,13 +119,7 @@ class Checked:
 def _staggered(runner: ModelRunner) -> list[list[int]]:
     """Greedy outputs of PROMPTS arriving one a step: steps that mix a prefill chunk with decodes, and pure decode
     steps of 1-4 rows."""
-    driver = Driver(runner, chunk=5)
-    reqs = []
-    for i, prompt in enumerate(PROMPTS):
-        reqs.append(driver.add(Req(f"r{i}", prompt, 6)))
-        driver.step()
-    driver.run()
-    return [r.outputs for r in reqs]
+    return [r.outputs for r in Driver(runner, chunk=5).staggered(PROMPTS, 6)]
 
 
 @pytest.mark.parametrize(

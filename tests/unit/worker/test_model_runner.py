@@ -138,6 +138,16 @@ class Driver:
                     self.removed.append(req.rid)
         return sampled
 
+    def staggered(self, prompts: list[list[int]], max_new: int) -> list[Req]:
+        """Requests arriving one a step, run to the end: steps mixing a prefill chunk with decodes, then pure
+        decode steps as they finish."""
+        reqs = []
+        for i, prompt in enumerate(prompts):
+            reqs.append(self.add(Req(f"r{i}", prompt, max_new)))
+            self.step()
+        self.run()
+        return reqs
+
     def run(self, max_steps: int = 500) -> None:
         for _ in range(max_steps):
             if all(r.done for r in self.reqs.values()):
@@ -471,12 +481,7 @@ def test_native_cpu_kernels_match_transformers(wide_dir: Path) -> None:
     runner = _runner(wide_dir, block_size=4, cpu_kernels="native")
     assert isinstance(runner.platform.ops, NativeCpuOps)
     assert torch.ops.meshserve_cpu.decode_attention_supported(64, 2)
-    driver = Driver(runner, chunk=4)
-    reqs = []
-    for i, prompt in enumerate(PROMPTS):
-        reqs.append(driver.add(Req(f"r{i}", prompt, 8)))
-        driver.step()
-    driver.run()
+    reqs = Driver(runner, chunk=4).staggered(PROMPTS, 8)
     for req in reqs:
         assert req.outputs == transformers_greedy(wide_dir, req.prompt, 8), req.rid
 
