@@ -363,10 +363,17 @@ class ModelRunner:
                 quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_kernel, max_rows)
             else:
                 self._attach_gguf_blocks(model, hf_config, source, max_rows)
-        elif (half_rows := self.platform.half_max_rows(self.precision.compute)) > 0:
-            # No native half GEMM here: small steps read the bf16/fp16 weights, not the fp32 copies packed below.
-            ops = self.platform.ops
-            attach_half_weights(model.matmul_modules(), self.precision.compute, ops.quantized_kernel, half_rows)
+        elif self.platform.half_max_rows(self.precision.compute) > 0:
+            # Small steps read the bf16/fp16 weights (packed into tiles where the kernel multiplies on them), not
+            # the fp32 copies packed below, nor through the native GEMM that reads them slowly at few rows.
+            ops, platform, compute = self.platform.ops, self.platform, self.precision.compute
+            attach_half_weights(
+                model.matmul_modules(),
+                compute,
+                ops.half_weight,
+                ops.quantized_kernel,
+                lambda weight: platform.half_max_rows(compute, tiled=weight.tiled),
+            )
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         if pack_dtype is not None:
             # Packed for the decode batch, the steps that run most often.

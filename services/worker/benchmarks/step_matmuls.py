@@ -11,6 +11,8 @@ the LM head) run in sequence on distinct random weights, for each path:
            else in fp32 (the input widened, the output rounded back)
   half     meshserve_cpu::half_linear on the bf16 weight itself (a bf16 model's small steps where the CPU
            has no native bf16 GEMM: platform.half_max_rows)
+  tiles    meshserve_cpu::half_linear on the bf16 weight packed into AMX tiles (a bf16 model's steps of up to
+           128 rows where the kernels multiply on AMX; only on such a host)
   int8     meshserve_cpu::int8_linear, one scale per row (--quantization int8)
   gguf     meshserve_cpu::int4_linear on Q4_1 blocks and int8_linear on a Q8_0 LM head, as the embedded
            model's GGUF file holds them (--quantization gguf)
@@ -31,7 +33,13 @@ import torch
 
 from services.worker.benchmarks.int8_linear import median_us
 from services.worker.kernels import loader
-from services.worker.layers.quantization import Int4Weight, Int8Weight, quantize_int4, quantize_int8
+from services.worker.layers.quantization import (
+    Int4Weight,
+    Int8Weight,
+    quantize_int4,
+    quantize_int8,
+    tile_half_weight,
+)
 from services.worker.platforms.cpu import CpuPlatform
 
 # (out_features, in_features) of SmolLM2-135M's per-layer matmuls: fused qkv, o, fused gate_up, down.
@@ -46,12 +54,13 @@ class Matmul:
 
     in_features: int
     bf16: torch.Tensor
+    tiles: torch.Tensor | None
     packed_bf16: torch.Tensor
     int8: Int8Weight
     gguf: Int8Weight | Int4Weight
 
 
-def build(rows_hint: int, pack_dtype: torch.dtype) -> list[Matmul]:
+def build(rows_hint: int, pack_dtype: torch.dtype, tiles: bool) -> list[Matmul]:
     torch.manual_seed(0)
     shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES] + [LM_HEAD]
     step = []
@@ -62,6 +71,7 @@ def build(rows_hint: int, pack_dtype: torch.dtype) -> list[Matmul]:
             Matmul(
                 in_features,
                 weight.bfloat16(),
+                tile_half_weight(weight.bfloat16()) if tiles else None,
                 torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().to(pack_dtype), rows_hint),
                 quantize_int8(weight),
                 quantize_int8(weight, group_size=32) if is_head else quantize_int4(weight),
@@ -78,6 +88,8 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
             out.bfloat16()
         elif path == "half":
             torch.ops.meshserve_cpu.half_linear(x, m.bf16)
+        elif path == "tiles":
+            torch.ops.meshserve_cpu.half_linear(x, m.tiles)
         elif path == "int8":
             torch.ops.meshserve_cpu.int8_linear(x, m.int8.qweight, m.int8.scales)
         elif isinstance(m.gguf, Int4Weight):
@@ -89,10 +101,12 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
 def measure(rows: list[int], repeats: int) -> dict[str, object]:
     loader.load()
     pack_dtype = CpuPlatform(kernels="native").matmul_pack_dtype(torch.bfloat16) or torch.bfloat16
-    step = build(rows_hint=32, pack_dtype=pack_dtype)
+    tiles = bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+    step = build(rows_hint=32, pack_dtype=pack_dtype, tiles=tiles)
     nbytes = {
         "bf16": sum(m.packed_bf16.numel() * pack_dtype.itemsize for m in step),
         "half": sum(m.bf16.numel() * 2 for m in step),
+        **({"tiles": sum(m.bf16.numel() * 2 for m in step)} if tiles else {}),
         "int8": sum(m.int8.nbytes for m in step),
         "gguf": sum(m.gguf.nbytes for m in step),
     }
@@ -116,14 +130,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = measure(args.rows, args.repeats)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
-    print("\n| rows | bf16 ms | half ms | int8 ms | gguf ms | half / bf16 | int8 / bf16 | gguf / bf16 |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    paths = [path for path in ("bf16", "half", "tiles", "int8", "gguf") if path in report["bytes"]]  # type: ignore[operator]
+    others = paths[1:]
+    header = [f"{p} ms" for p in paths] + [f"{p} / bf16" for p in others]
+    print("\n| rows | " + " | ".join(header) + " |")
+    print("| ---: " * (len(paths) + len(others) + 1) + "|")
     for r in report["results"]:  # type: ignore[attr-defined]
-        bf16, half, int8, gguf = r["bf16_ms"], r["half_ms"], r["int8_ms"], r["gguf_ms"]
-        print(
-            f"| {r['rows']} | {bf16:.2f} | {half:.2f} | {int8:.2f} | {gguf:.2f} | {half / bf16:.2f} | "
-            f"{int8 / bf16:.2f} | {gguf / bf16:.2f} |"
-        )
+        times = [r[f"{p}_ms"] for p in paths]
+        ratios = [t / times[0] for t in times[1:]]
+        print(f"| {r['rows']} | " + " | ".join(f"{t:.2f}" for t in times + ratios) + " |")
     return 0
 
 

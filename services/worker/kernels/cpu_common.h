@@ -11,6 +11,13 @@
 #include <type_traits>
 #include <utility>
 
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define MESHSERVE_AMX 1
+#endif
+
 namespace meshserve_kernels {
 
 // Round a float through the storage dtype, as a torch op writing a scalar_t tensor does.
@@ -106,5 +113,25 @@ void dispatch_dtype(at::ScalarType dtype, const char* op, Fn&& fn) {
 inline void check_cpu(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
 }
+
+#if defined(MESHSERVE_AMX)
+// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
+// XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once per process; false sends prefills to
+// the vdpbf16ps operands, and the platform packs no half weight into tiles (half_linear_on_amx).
+inline bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+// The tile palette 1 configuration LDTILECFG reads: per tile, its rows and bytes a row.
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+#endif
 
 }  // namespace meshserve_kernels

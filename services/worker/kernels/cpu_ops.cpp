@@ -30,10 +30,6 @@
 #if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
 #include <immintrin.h>
 #endif
-#if defined(__AMX_TILE__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 namespace {
 
@@ -472,20 +468,6 @@ class Bf16DotOperands {
   std::vector<uint32_t> q_, kt_, v_, p_;
 };
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#define MESHSERVE_AMX 1
-// Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
-// XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once; false sends prefills to the
-// vdpbf16ps operands.
-bool amx_permitted() {
-  static const bool permitted = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return permitted;
-}
-
-#endif
 #endif
 
 // Lane-wise and whole-vector max and sum for the online softmax. Scores hold no NaN (unused slots' keys are
@@ -714,12 +696,7 @@ void prefill_attention_amx(const at::Tensor& q, const at::Tensor& k_cache, const
       _mm512_set1_epi32(chunks.row_stride / 2));
 
   at::parallel_for(0, static_cast<int64_t>(chunks.assigned.size()), 1, [&](int64_t begin, int64_t end) {
-    struct alignas(64) TileConfig {
-      uint8_t palette_id, start_row, reserved[14];
-      uint16_t colsb[16];
-      uint8_t rows[16];
-    } config{};
-    config.palette_id = 1;
+    TileConfig config;
     for (int t = 0; t < 8; ++t) {
       config.colsb[t] = 64;
       config.rows[t] = L;

@@ -57,6 +57,10 @@ def default_cache_dir() -> Path:
     return Path(env).expanduser() if env else Path.home() / ".cache" / "meshserve" / "kernels"
 
 
+# The builds whose half_linear has the vdpbf16ps path (the AMX build has the tile path besides).
+BF16_DOT_BUILDS = ("avx512_bf16", "avx512_amx")
+
+
 def isa() -> tuple[str, list[str]]:
     """(name, compiler flags) of the vector ISA to build for: torch's own capability on x86, portable elsewhere."""
     capability = torch.backends.cpu.get_cpu_capability()

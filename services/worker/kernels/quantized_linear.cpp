@@ -102,10 +102,7 @@ inline void with_rows(int64_t rows, const char* op, Fn&& fn) {
 // Weight rows ahead of the one being multiplied whose cache lines are asked for early: a decode step streams
 // every weight from memory once, and with the arithmetic between the loads the hardware prefetcher fell
 // behind (a SmolLM2 step's int4 matmuls 10.0 -> 8.2 ms; docs/benchmarks.md).
-#ifndef PF
-#define PF 12
-#endif
-constexpr int64_t kPrefetchRows = PF;
+constexpr int64_t kPrefetchRows = 12;
 
 // Asks for the `bytes` bytes at p, a cache line at a time.
 inline void prefetch(const void* p, int64_t bytes) {
@@ -563,14 +560,148 @@ void half_linear_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor& out)
 }
 #endif
 
+#if defined(MESHSERVE_AMX)
+// bf16 weights packed for AMX tiles (layers/quantization.py's tile_half_weight): [N/16, K/32, 16, 16, 2], tile
+// (nb, kb) holding output rows nb*16.. and input columns kb*32.. as 16 rows of 16 column pairs, which is
+// TDPBF16PS's B operand as it lies in memory. x's rows are its A operand as they lie too. oneDNN's AMX GEMM
+// reads a decode step's weights well below the memory's rate at these row counts: a SmolLM2 step's matmuls on
+// the AMX Xeon took 14.5-17.8 ms at 1-32 rows there against 9.5-12.0 ms here (the memory's rate is ~26 GB/s,
+// 10.3 ms for its 269 MB; docs/benchmarks.md).
+constexpr int64_t kTileN = 16, kTileK = 32, kTileElems = kTileN * kTileK;
+// Rows of x per pass over a pair of weight tiles: two A tiles of 16 rows, four C tiles (2 x 2).
+constexpr int64_t kTileChunkRows = 32;
+// Weight tiles prefetched ahead of the pair a pass reads (8 KB ahead; 0 and 4 were 2-6% slower at one row).
+constexpr int64_t kTilePrefetch = 8;
+
+// Tiles 0-3: C (x rows 0-15 and 16-31 of a chunk against the pair's first and second weight tile); 4, 5: A (those
+// x rows); 6, 7: B (the two weight tiles). The A and C tiles have as many rows as the chunk.
+inline void configure_linear_tiles(int64_t rows) {
+  TileConfig config;
+  const uint8_t low = static_cast<uint8_t>(std::min<int64_t>(rows, 16));
+  const uint8_t high = static_cast<uint8_t>(std::max<int64_t>(rows - 16, 1));
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64;
+  config.rows[0] = config.rows[1] = config.rows[4] = low;
+  config.rows[2] = config.rows[3] = config.rows[5] = high;
+  config.rows[6] = config.rows[7] = kTileN;
+  _tile_loadconfig(&config);
+}
+
+// c[32][32] = x[rows, K] . the weight tiles b0 (and b1, unless null) over k_tiles tiles of K, rows <= 32.
+inline void tile_chunk(const at::BFloat16* x, int64_t rows, int64_t k_size, const at::BFloat16* b0,
+                       const at::BFloat16* b1, int64_t k_tiles, float* c) {
+  const bool high = rows > 16, two = b1 != nullptr;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  const int64_t stride = k_size * static_cast<int64_t>(sizeof(at::BFloat16));
+  for (int64_t kb = 0; kb < k_tiles; ++kb) {
+    prefetch(reinterpret_cast<const char*>(b0 + (kb + kTilePrefetch) * kTileElems), kTileElems * 2);
+    _tile_loadd(6, b0 + kb * kTileElems, 64);
+    _tile_loadd(4, x + kb * kTileK, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two) {
+      prefetch(reinterpret_cast<const char*>(b1 + (kb + kTilePrefetch) * kTileElems), kTileElems * 2);
+      _tile_loadd(7, b1 + kb * kTileElems, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (high) {
+      _tile_loadd(5, x + 16 * k_size + kb * kTileK, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  constexpr int64_t kRowBytes = 2 * kTileN * sizeof(float);
+  _tile_stored(0, c, kRowBytes);
+  if (two) _tile_stored(1, c + kTileN, kRowBytes);
+  if (high) {
+    _tile_stored(2, c + 16 * 2 * kTileN, kRowBytes);
+    if (two) _tile_stored(3, c + 16 * 2 * kTileN + kTileN, kRowBytes);
+  }
+}
+
+// half_linear's body for bf16 x and a tile-packed bf16 weight. A step of more than 32 rows goes in chunks of 32,
+// x padded with zero rows to whole chunks (one tile configuration for every chunk); each row's sums run in the
+// same order in any chunk, so a row's result does not depend on the rows beside it.
+void half_linear_tiles(const at::Tensor& x, const at::Tensor& tiles, at::Tensor& out) {
+  TORCH_CHECK(amx_permitted(), "half_linear: a tile-packed weight needs the AMX tile state, which this process "
+              "was refused; serve without it (the platform packs none where half_linear_on_amx() is false)");
+  const int64_t rows = x.size(0), k_size = x.size(1), n_tiles = tiles.size(0), k_tiles = tiles.size(1);
+  const int64_t n_size = n_tiles * kTileN;
+  const int64_t chunks = (rows + kTileChunkRows - 1) / kTileChunkRows;
+  at::Tensor xc = x.contiguous();
+  if (chunks > 1 && rows % kTileChunkRows != 0) {
+    at::Tensor padded = at::zeros({chunks * kTileChunkRows, k_size}, x.options());
+    padded.narrow(0, 0, rows).copy_(xc);
+    xc = padded;
+  }
+  const int64_t tile_rows = chunks > 1 ? kTileChunkRows : rows;
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = tiles.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t pairs = (n_tiles + 1) / 2;
+  at::parallel_for(0, pairs, 1, [&](int64_t begin, int64_t end) {
+    configure_linear_tiles(tile_rows);
+    alignas(64) float c[kTileChunkRows * 2 * kTileN];
+    for (int64_t pair = begin; pair < end; ++pair) {
+      const int64_t n0 = 2 * pair;
+      const at::BFloat16* b0 = wp + n0 * k_tiles * kTileElems;
+      const at::BFloat16* b1 = n0 + 1 < n_tiles ? b0 + k_tiles * kTileElems : nullptr;
+      const int64_t width = b1 != nullptr ? 2 * kTileN : kTileN;
+      for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+        tile_chunk(xp + chunk * kTileChunkRows * k_size, tile_rows, k_size, b0, b1, k_tiles, c);
+        const int64_t live = std::min(kTileChunkRows, rows - chunk * kTileChunkRows);
+        for (int64_t r = 0; r < live; ++r) {
+          at::BFloat16* y = yp + (chunk * kTileChunkRows + r) * n_size + n0 * kTileN;
+          const float* cr = c + r * 2 * kTileN;
+          const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(cr + kTileN), _mm512_loadu_ps(cr));
+          if (width == 2 * kTileN) {
+            _mm512_storeu_si512(y, (__m512i)both);
+          } else {
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(y), _mm512_castsi512_si256((__m512i)both));
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
+
+// Whether half_linear multiplies tile-packed bf16 weights here: built for AMX and granted the tile state. The
+// platform packs a bf16 model's half weights into tiles only where it does (platforms/cpu_native_ops.py).
+bool half_linear_on_amx() {
+#if defined(MESHSERVE_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 // y[M, N] = x[M, K] W^T with W bf16 or fp16 [N, K]: float32 products and accumulation, each output rounded
 // once to x's dtype (what a GEMM on the weight widened to float32 computes, up to the order of the sums).
 at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, "x");
   check_cpu(weight, "weight");
   TORCH_CHECK(x.dim() == 2, "half_linear: x must be 2-D [rows, in_features]");
-  TORCH_CHECK(weight.dim() == 2 && (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
-              "half_linear: weight must be bfloat16 or float16 [out, in]");
+  TORCH_CHECK((weight.dim() == 2 || weight.dim() == 5) &&
+                  (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
+              "half_linear: weight must be bfloat16 or float16 [out, in] (or bfloat16 tiles [out/16, in/32, 16, 16, 2])");
+  if (weight.dim() == 5) {
+    // Tile-packed [N/16, K/32, 16, 16, 2] (half_linear_on_amx).
+    TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && weight.size(2) == 16 &&
+                    weight.size(3) == 16 && weight.size(4) == 2 && weight.is_contiguous(),
+                "half_linear: a tile-packed weight must be contiguous bfloat16 [out/16, in/32, 16, 16, 2] with bfloat16 x");
+    TORCH_CHECK(weight.size(1) * 32 == x.size(1), "half_linear: x has ", x.size(1), " features, the tiles ",
+                weight.size(1) * 32);
+#if defined(MESHSERVE_AMX)
+    at::Tensor out = at::empty({x.size(0), weight.size(0) * 16}, x.options());
+    if (x.size(0) > 0) half_linear_tiles(x, weight, out);
+    return out;
+#else
+    TORCH_CHECK(false, "half_linear: this kernel library was built without AMX; a tile-packed weight needs it");
+#endif
+  }
   TORCH_CHECK(weight.size(1) == x.size(1), "half_linear: x has ", x.size(1), " features, weight ", weight.size(1));
   const int64_t rows = x.size(0), k_size = x.size(1), n_size = weight.size(0);
   const at::Tensor w = weight.contiguous();
@@ -867,6 +998,7 @@ TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("int8_linear(Tensor x, Tensor qweight, Tensor scales) -> Tensor");
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
+  m.def("half_linear_on_amx() -> bool", &half_linear_on_amx);
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {

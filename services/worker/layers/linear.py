@@ -291,15 +291,21 @@ def quantize_matmuls(modules: Iterable[MatmulModule], bind: KernelBinder, max_ro
 
 
 def attach_half_weights(
-    modules: Iterable[MatmulModule], compute_dtype: torch.dtype, bind: KernelBinder, max_rows: int
+    modules: Iterable[MatmulModule],
+    compute_dtype: torch.dtype,
+    half_weight: Callable[[torch.Tensor], HalfWeight],
+    bind: KernelBinder,
+    max_rows: Callable[[HalfWeight], int],
 ) -> None:
-    """Give each linear (and the LM head) its own weight in compute_dtype as a HalfWeight, run by its bound kernel
-    for steps of up to max_rows rows (where the platform's GEMM would read fp32 copies instead). Run before
-    pack_linears."""
-    if max_rows < 1:
-        raise ValueError(f"half max_rows must be >= 1, got {max_rows}")
+    """Give each linear (and the LM head) its own weight in compute_dtype as the op table lays it out (half_weight),
+    run by its bound kernel for steps of up to max_rows(weight) rows (where the platform's GEMM would read fp32
+    copies, or read few rows slowly). Run before pack_linears."""
     for module in modules:
-        module.quantized = QuantizedMatmul(HalfWeight(to_dtype(module.weight.detach(), compute_dtype)), bind, max_rows)
+        weight = half_weight(to_dtype(module.weight.detach(), compute_dtype))
+        rows = max_rows(weight)
+        if rows < 1:
+            raise ValueError(f"half max_rows must be >= 1, got {rows}")
+        module.quantized = QuantizedMatmul(weight, bind, rows)
 
 
 def attach_quantized(modules: Iterable[MatmulModule], bind: KernelBinder, max_rows: int) -> int:

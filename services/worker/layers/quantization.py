@@ -121,24 +121,58 @@ def quantize_int4(weight: torch.Tensor) -> Int4Weight:
     return Int4Weight(packed.contiguous(), scales.contiguous(), low.contiguous())
 
 
+# An AMX tile's shape for a bf16 weight: 16 output rows by 32 input columns, held as 16 rows of 16 column pairs.
+TILE_ROWS = 16
+TILE_COLUMNS = 32
+
+
 @dataclass(frozen=True)
 class HalfWeight:
-    """A bf16 or fp16 weight [out, in] as it is, not quantised: where the CPU has no native half-precision
-    GEMM, the packed GEMM runs on fp32 copies (twice the bytes a decode step reads), so small steps take a
-    kernel that reads this one instead, as quantised weights' small steps do (platform.half_max_rows)."""
+    """A bf16 or fp16 weight [out, in], not quantised: where the CPU has no native half-precision GEMM, the
+    packed GEMM runs on fp32 copies (twice the bytes a decode step reads), and where it has one (oneDNN on
+    avx512_bf16 or AMX) that GEMM reads a small step's weights below the memory's rate; either way small steps
+    take a kernel that reads this one instead, as quantised weights' small steps do (platform.half_max_rows).
+
+    weight is [out, in] as it is, or, for the AMX kernel, packed into tiles (tile_half_weight: 5-D)."""
 
     weight: torch.Tensor
 
     @property
+    def tiled(self) -> bool:
+        return self.weight.dim() == 5
+
+    @property
     def in_features(self) -> int:
-        return self.weight.shape[1]
+        return self.weight.shape[1] * TILE_COLUMNS if self.tiled else self.weight.shape[1]
 
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return self.weight.to(dtype)
+        if not self.tiled:
+            return self.weight.to(dtype)
+        n_tiles, k_tiles = self.weight.shape[:2]
+        plain = self.weight.permute(0, 3, 1, 2, 4).reshape(n_tiles * TILE_ROWS, k_tiles * TILE_COLUMNS)
+        return plain.to(dtype)
+
+
+def can_tile(weight: torch.Tensor) -> bool:
+    """Whether a bf16 weight [out, in] falls into whole AMX tiles (every Llama-family shape does)."""
+    out_features, in_features = weight.shape
+    return weight.dtype == torch.bfloat16 and out_features % TILE_ROWS == 0 and in_features % TILE_COLUMNS == 0
+
+
+def tile_half_weight(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (can_tile) as [out/16, in/32, 16, 16, 2]: tile (n, k) is rows n*16.. and columns k*32..
+    as 16 rows of 16 column pairs (row p holds each weight row's columns 2p and 2p + 1), the B operand of AMX's
+    bf16 tile product as it lies in memory; the tiles of 16 weight rows follow each other along the columns, so
+    a kernel streams each row block's bytes in order. A new tensor: the plain weight can be dropped."""
+    if not can_tile(weight):
+        raise ValueError(f"a {weight.dtype} weight of shape {tuple(weight.shape)} does not fall into bf16 tiles")
+    out_features, in_features = weight.shape
+    tiles = weight.reshape(out_features // TILE_ROWS, TILE_ROWS, in_features // TILE_COLUMNS, TILE_COLUMNS // 2, 2)
+    return tiles.permute(0, 2, 3, 1, 4).contiguous()
 
 
 # The weight formats a small-step kernel may hold; each has nbytes and dequantize(dtype).

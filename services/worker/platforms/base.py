@@ -101,6 +101,11 @@ class Ops(abc.ABC):
         dtype."""
         return quantized_linear_reference(x, weight)
 
+    def half_weight(self, weight: torch.Tensor) -> HalfWeight:
+        """An unquantised model's weight [out, in] in the layout this table's half_linear reads best (as it is,
+        unless a platform packs it)."""
+        return HalfWeight(weight)
+
     def quantized_kernel(self, weight: QuantizedWeight) -> BoundKernel:
         """The kernel for the weight's format with the weight bound (a KernelBinder: what a quantised layer's
         QuantizedMatmul runs); platforms with kernels bind theirs directly."""
@@ -183,9 +188,10 @@ class Platform(abc.ABC):
         is refused at startup rather than quietly slower."""
         return 0
 
-    def half_max_rows(self, compute_dtype: torch.dtype) -> int:
+    def half_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:
         """Rows up to which an unquantised model's linears run on their bf16/fp16 weight through
-        Ops.half_linear rather than the GEMM compute_dtype's matmuls run on; 0: never."""
+        Ops.half_linear rather than the GEMM compute_dtype's matmuls run on; 0: never. tiled: for a weight the
+        op table packed into tiles (Ops.half_weight), whose kernel may win more rows."""
         return 0
 
     def matmul_backend(self, num_rows: int) -> contextlib.AbstractContextManager[None]:

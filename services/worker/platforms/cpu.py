@@ -26,6 +26,8 @@ ONEDNN_FP32_COPIES = "onednn-fp32-copies"
 ONEDNN_HALF = "onednn-half"
 ONEDNN_HALF_AMX = "onednn-half-amx"
 ATEN_HALF = "aten-half"
+# The suffix of SMALL_STEP_MAX_ROWS' weights key for half weights packed into AMX tiles.
+TILES = " tiles"
 # Rows up to which a native small-step kernel beats that GEMM, keyed by the weights the kernel reads
 # ("quantized": int8 and GGUF's 4-bit blocks; "bfloat16"/"float16": an unquantised model's own weights,
 # through half_linear) and the GEMM; a pair not listed never takes the kernel. Measured over whole decode
@@ -42,6 +44,9 @@ ATEN_HALF = "aten-half"
 #   20.0 -> 20.5 (level), 4 rows 21.1 -> 22.6. On the Zen 4 EPYC (avx512_bf16, no AMX) a step's matmuls on
 #   the widening path, which the vdpbf16ps path replaces, took 11.8 / 11.3 / 14.4 ms at 1 / 2 / 4 rows
 #   against oneDNN's 17.0 / 20.3 / 16.8, and lost at 8 (25.5 against 16.8).
+# - bf16 weights packed into AMX tiles (TILES; NativeCpuOps.half_weight) against oneDNN's AMX GEMM: a SmolLM2
+#   step's matmuls (benchmarks.step_matmuls) at 1 / 8 / 32 / 64 / 128 rows took 9.5 / 9.7 / 12.0 / 18.4 / 27.3 ms
+#   against 14.8 / 14.5 / 17.8 / 20.7 / 29.0, and lost at 256 (52.4 against 42.4).
 SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", MKL_FP32): 8,
     ("quantized", ONEDNN_FP32_COPIES): 8,
@@ -51,6 +56,7 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("bfloat16", ONEDNN_FP32_COPIES): 16,
     ("float16", ONEDNN_FP32_COPIES): 16,
     ("bfloat16", ONEDNN_HALF_AMX): 1,
+    ("bfloat16" + TILES, ONEDNN_HALF_AMX): 128,
     ("bfloat16", ONEDNN_HALF): 4,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
@@ -84,7 +90,11 @@ def cpu_ops(kernels: str = "auto") -> Ops:
             ) from error
         log.warning("cpu_kernels_unavailable", error=str(error), fallback="reference")
         return ReferenceOps(attention.HND)
-    return NativeCpuOps(attention.HND, sdpa_prefill_pairs=_sdpa_prefill_pairs())
+    return NativeCpuOps(
+        attention.HND,
+        sdpa_prefill_pairs=_sdpa_prefill_pairs(),
+        half_tiles=bool(torch.ops.meshserve_cpu.half_linear_on_amx()),
+    )
 
 
 def _sdpa_prefill_pairs() -> int | None:
@@ -132,15 +142,17 @@ class CpuPlatform(Platform):
         # The reference ops would dequantise every call: no faster than bf16.
         return self._small_step_rows("quantized", compute_dtype)
 
-    def half_max_rows(self, compute_dtype: torch.dtype) -> int:
+    def half_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:
         if compute_dtype == torch.float32:
             return 0
-        # Against a native half GEMM only half_linear's vdpbf16ps path pays, built where the CPU has the
-        # instructions (kernels/loader.py's avx512_bf16 build); its widening path reads no fewer bytes.
+        # Against a native half GEMM only half_linear's vdpbf16ps and tile paths pay, built where the CPU has
+        # the instructions (kernels/loader.py's avx512_bf16 and avx512_amx builds); its widening path reads
+        # no fewer bytes.
         native = self.matmul_gemm(compute_dtype) in (ONEDNN_HALF, ONEDNN_HALF_AMX)
-        if native and loader.isa()[0] != "avx512_bf16":
+        if native and loader.isa()[0] not in loader.BF16_DOT_BUILDS:
             return 0
-        return self._small_step_rows(str(compute_dtype).removeprefix("torch."), compute_dtype)
+        weights = str(compute_dtype).removeprefix("torch.") + (TILES if tiled else "")
+        return self._small_step_rows(weights, compute_dtype)
 
     def _small_step_rows(self, weights: str, compute_dtype: torch.dtype) -> int:
         if not isinstance(self._ops, NativeCpuOps):

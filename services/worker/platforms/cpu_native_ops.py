@@ -9,7 +9,15 @@ import torch
 
 from services.worker.layers import attention
 from services.worker.layers.decode_stack import DecodeStack, FusedDecode
-from services.worker.layers.quantization import BoundKernel, HalfWeight, Int4Weight, Int8Weight, QuantizedWeight
+from services.worker.layers.quantization import (
+    BoundKernel,
+    HalfWeight,
+    Int4Weight,
+    Int8Weight,
+    QuantizedWeight,
+    can_tile,
+    tile_half_weight,
+)
 from services.worker.platforms.reference_ops import ReferenceOps
 
 # A quantised weight's kernel, told by how many tensors it takes after x (kernel_operands): decode_layers.cpp picks
@@ -50,11 +58,19 @@ class NativeCpuOps(ReferenceOps):
 
     sdpa_prefill_pairs: where torch's own SDPA beats the native prefill kernel on bf16 (its flash attention
     runs on AMX tiles), the chunks of at least that many causal pairs go to it; None: every chunk native.
+    half_tiles: half_linear multiplies bf16 weights packed into AMX tiles here (half_linear_on_amx), so
+    half_weight packs every bf16 weight that falls into whole tiles.
     """
 
-    def __init__(self, layout: str = attention.NHD, sdpa_prefill_pairs: int | None = None) -> None:
+    def __init__(
+        self, layout: str = attention.NHD, sdpa_prefill_pairs: int | None = None, half_tiles: bool = False
+    ) -> None:
         super().__init__(layout)
         self.sdpa_prefill_pairs = sdpa_prefill_pairs
+        self.half_tiles = half_tiles
+
+    def half_weight(self, weight: torch.Tensor) -> HalfWeight:
+        return HalfWeight(tile_half_weight(weight) if self.half_tiles and can_tile(weight) else weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.meshserve_cpu.rms_norm(x, weight, eps)
@@ -137,7 +153,8 @@ class NativeCpuOps(ReferenceOps):
         return torch.ops.meshserve_cpu.int4_linear(x, weight.packed, weight.scales, weight.offsets)
 
     def half_linear(self, x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
-        """The bf16/fp16 weight widened in registers, each vector used for every row (quantized_linear.cpp)."""
+        """The bf16/fp16 weight widened in registers, each vector used for every row, or bf16 by vdpbf16ps, or
+        tile-packed bf16 on AMX tiles (quantized_linear.cpp)."""
         return torch.ops.meshserve_cpu.half_linear(x, weight.weight)
 
     def reshape_and_cache(

@@ -29,6 +29,7 @@ from services.worker.layers.quantization import (
     quantize_int4,
     quantize_int8,
     quantized_linear_reference,
+    tile_half_weight,
 )
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
@@ -402,6 +403,73 @@ def test_half_linear_matches_the_widened_reference(
     _ulp_close(native.half_linear(x, weight), quantized_linear_reference(x, weight))
 
 
+def _half_linear_on_amx() -> bool:
+    loader.load()
+    return bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+
+
+requires_amx_tiles = pytest.mark.skipif(
+    not _half_linear_on_amx(),
+    reason="half_linear's tile path needs a CPU with AMX and a kernel library built for it",
+)
+
+
+def test_a_tile_packed_half_weight_dequantises_to_the_weight_it_was_packed_from() -> None:
+    weight = torch.randn(48, 96, generator=torch.Generator().manual_seed(1)).bfloat16()
+    tiled = HalfWeight(tile_half_weight(weight))
+    assert tiled.tiled and tiled.in_features == 96 and tiled.nbytes == weight.numel() * 2
+    assert torch.equal(tiled.dequantize(torch.bfloat16), weight)
+    for shape, dtype in (((40, 96), torch.bfloat16), ((48, 80), torch.bfloat16), ((48, 96), torch.float16)):
+        with pytest.raises(ValueError, match="does not fall into bf16 tiles"):
+            tile_half_weight(torch.zeros(shape, dtype=dtype))
+
+
+@requires_amx_tiles
+# One row to a first chunk of two A tiles (16 | 17 rows), 32 rows, and past a chunk (33, 70: x padded to chunks
+# of 32); an odd count of 16-row weight tiles (48 and 80 outputs) ends in a pair of one; 1,536 columns is
+# SmolLM2's down projection.
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 96, 576), (3, 48, 64), (16, 80, 96), (17, 96, 576), (32, 64, 1536), (33, 48, 32), (70, 96, 576),
+])  # fmt: skip
+def test_half_linear_on_tiles_matches_the_widened_reference(
+    native: NativeCpuOps, rows: int, out_features: int, in_features: int
+) -> None:
+    g = torch.Generator().manual_seed(rows)
+    dense = (torch.randn(out_features, in_features, generator=g) * 0.05).bfloat16()
+    x = torch.randn(rows, in_features, generator=g).bfloat16()
+    tiled = NativeCpuOps(HND, half_tiles=True).half_weight(dense)
+    assert tiled.tiled
+    _ulp_close(native.half_linear(x, tiled), quantized_linear_reference(x, HalfWeight(dense)))
+
+
+@requires_amx_tiles
+def test_half_linear_rows_on_tiles_do_not_depend_on_their_batch() -> None:
+    # As on the plain weight: one row alone, 20 rows in one or two A tiles, and 70 rows in padded chunks of 32
+    # give every row the same bits.
+    g = torch.Generator().manual_seed(3)
+    tiles = tile_half_weight(torch.randn(304, 608, generator=g).bfloat16())
+    x = (torch.randn(70, 608, generator=g) * 2.0 ** torch.randint(-10, 11, (70, 608), generator=g)).bfloat16()
+    half = torch.ops.meshserve_cpu.half_linear
+    together = half(x, tiles)
+    for r in range(70):
+        assert torch.equal(half(x[r : r + 1], tiles), together[r : r + 1])
+    for r in range(0, 50, 7):
+        assert torch.equal(half(x[r : r + 20], tiles), together[r : r + 20])
+
+
+def test_the_op_table_packs_half_weights_into_tiles_only_where_its_kernel_multiplies_on_them() -> None:
+    weight = torch.randn(48, 64).bfloat16()
+    assert not NativeCpuOps(HND).half_weight(weight).tiled
+    tiles = NativeCpuOps(HND, half_tiles=True)
+    assert tiles.half_weight(weight).tiled
+    # A shape or dtype that does not fall into whole tiles stays plain, for the vdpbf16ps or widening path.
+    assert not tiles.half_weight(torch.randn(40, 64).bfloat16()).tiled
+    assert not tiles.half_weight(torch.randn(48, 64).half()).tiled
+    table = cpu_ops("native")
+    assert isinstance(table, NativeCpuOps) and table.half_tiles is bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+    assert torch.ops.meshserve_cpu.half_linear_on_amx() is (loader.isa()[0] == "avx512_amx")
+
+
 @pytest.mark.parametrize("fmt", ["int8", "int4", "half"])
 def test_bound_kernels_are_the_format_kernels(native: NativeCpuOps, fmt: str) -> None:
     """quantized_kernel binds a weight to exactly the kernel quantized_linear picks for its format."""
@@ -510,6 +578,13 @@ def test_bad_kernel_inputs_raise_clear_errors(native: NativeCpuOps) -> None:
         half(torch.ones(2, 5), torch.ones(3, 4, dtype=torch.bfloat16))
     with pytest.raises(RuntimeError, match="x must be 2-D"):
         half(torch.ones(5), torch.ones(3, 5, dtype=torch.bfloat16))
+    tiles = torch.zeros(2, 3, 16, 16, 2, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"x has 64 features, the tiles 96"):
+        half(torch.ones(2, 64, dtype=torch.bfloat16), tiles)
+    with pytest.raises(RuntimeError, match="a tile-packed weight must be contiguous bfloat16"):
+        half(torch.ones(2, 96), tiles)
+    with pytest.raises(RuntimeError, match="a tile-packed weight must be contiguous bfloat16"):
+        half(torch.ones(2, 96, dtype=torch.bfloat16), torch.zeros(2, 3, 16, 8, 4, dtype=torch.bfloat16))
 
 
 def test_cpu_ops_choice_and_fallback(monkeypatch: pytest.MonkeyPatch, native: NativeCpuOps) -> None:

@@ -495,9 +495,10 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
         modules = runner.model.matmul_modules()
         if kernels == "auto":
             # Small steps read the bf16 weights through the native half kernel where the platform says it
-            # pays: packed in fp32 (up to 16 rows), or packed in bf16 on an AVX512-BF16 CPU (its vdpbf16ps path).
+            # pays: packed in fp32 (up to 16 rows), or packed in bf16 on an AVX512-BF16 CPU (its vdpbf16ps path,
+            # and on AMX its tile path).
             half = "half+" if runner.platform.half_max_rows(torch.bfloat16) > 0 else ""
-            assert bool(half) == (pack_dtype == torch.float32 or loader.isa()[0] == "avx512_bf16")
+            assert bool(half) == (pack_dtype == torch.float32 or loader.isa()[0] in loader.BF16_DOT_BUILDS)
             assert runner.matmul_weights == f"{half}onednn-{str(pack_dtype).removeprefix('torch.')}"
             assert all(m.packed is not None and m.packed.dtype == pack_dtype for m in modules)
             assert all((m.quantized is not None) == bool(half) for m in modules)

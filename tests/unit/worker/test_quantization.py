@@ -193,14 +193,17 @@ def test_half_weights_take_small_steps_where_the_gemm_would_widen_them_or_read_f
     # Where the packed GEMM widens, the kernel reads half the bytes up to 16 rows.
     monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: torch.float32)
     assert native.half_max_rows(torch.bfloat16) == native.half_max_rows(torch.float16) == 16
-    # A native bf16 GEMM: the vdpbf16ps path for the smallest steps, one row against AMX tiles; fp16 has
-    # no such path (its widening one would lose to a native fp16 GEMM).
+    # A native bf16 GEMM: the vdpbf16ps path for the smallest steps, one row against oneDNN's AMX GEMM, and
+    # weights packed into tiles up to 128 rows there; fp16 has no such path (its widening one would lose to a
+    # native fp16 GEMM). Both builds with vdpbf16ps count, the AMX one too.
     monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: dtype)
-    monkeypatch.setattr(cpu.loader, "isa", lambda: ("avx512_bf16", []))
-    for amx, rows in ((True, 1), (False, 4)):
-        monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
-        assert native.half_max_rows(torch.bfloat16) == rows
-        assert native.half_max_rows(torch.float16) == 0
+    for build in ("avx512_bf16", "avx512_amx"):
+        monkeypatch.setattr(cpu.loader, "isa", lambda build=build: (build, []))
+        for amx, rows, tiled_rows in ((True, 1, 128), (False, 4, 0)):
+            monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
+            assert native.half_max_rows(torch.bfloat16) == rows
+            assert native.half_max_rows(torch.bfloat16, tiled=True) == tiled_rows
+            assert native.half_max_rows(torch.float16) == 0
     # A kernel library built without the instructions has only the widening path there.
     monkeypatch.setattr(cpu.loader, "isa", lambda: ("avx512", []))
     assert native.half_max_rows(torch.bfloat16) == 0
