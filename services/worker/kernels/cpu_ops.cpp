@@ -87,30 +87,13 @@ inline void for_each_row(const SequenceView& seq, int64_t head_offset, std::init
   }
 }
 
-// The G query heads of one KV head against one sequence: exact softmax in three passes (scores, exp,
-// weighted V sum). Each K and V row is read once, in place, and widened in registers; the G heads' query
-// and accumulator rows stay in registers (NV = head_dim / fVec::size()).
+// Passes 2 and 3 of a decode's attention for the G query heads of one KV head: each head's scores (scores[g * len
+// + t], max_score[g] their maximum) turned into exact softmax weights, and the weighted sum of V's rows, read
+// once, in place, widened in registers; the accumulators stay in registers (NV = head_dim / fVec::size()).
 template <typename scalar_t, int NV, int G>
-void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const SequenceView& seq, int64_t head_offset,
-                  float* scores, float* out) {
+void weigh_values(const scalar_t* v, const SequenceView& seq, int64_t head_offset, float* scores,
+                  const float* max_score, float* out) {
   const int64_t len = seq.seq_len;
-  fVec qv[G][NV];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < NV; ++c) qv[g][c] = fVec::loadu(q + (g * NV + c) * fVec::size());
-  float max_score[G];
-  std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
-  // The scores pass prefetches V as well, so the weighted-sum pass finds it in L2.
-  for_each_row(seq, head_offset, {k, v}, NV * fVec::size(), [&](int64_t t, int64_t offset) {
-    fVec row[NV];
-    load_row<scalar_t, NV>(k + offset, row);
-    for (int g = 0; g < G; ++g) {
-      fVec prod = qv[g][0] * row[0];
-      for (int c = 1; c < NV; ++c) prod = at::vec::fmadd(qv[g][c], row[c], prod);
-      const float score = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, prod);
-      scores[g * len + t] = score;
-      max_score[g] = std::max(max_score[g], score);
-    }
-  });
   float sum[G];
   for (int g = 0; g < G; ++g) {
     const fVec m(max_score[g]);
@@ -133,6 +116,128 @@ void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const Se
     for (int c = 0; c < NV; ++c) (acc[g][c] * inv).store(out + (g * NV + c) * fVec::size());
   }
 }
+
+// The G query heads of one KV head against one sequence: exact softmax in three passes (scores, exp,
+// weighted V sum). Each K and V row is read once, in place, and widened in registers; the G heads' query
+// rows (pre-scaled, float32) stay in registers.
+template <typename scalar_t, int NV, int G>
+void attend_group(const float* q, const scalar_t* k, const scalar_t* v, const SequenceView& seq, int64_t head_offset,
+                  float* scores, float* out) {
+  const int64_t len = seq.seq_len;
+  fVec qv[G][NV];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < NV; ++c) qv[g][c] = fVec::loadu(q + (g * NV + c) * fVec::size());
+  float max_score[G];
+  std::fill(max_score, max_score + G, -std::numeric_limits<float>::infinity());
+  // The scores pass prefetches V as well, so the weighted-sum pass finds it in L2.
+  for_each_row(seq, head_offset, {k, v}, NV * fVec::size(), [&](int64_t t, int64_t offset) {
+    fVec row[NV];
+    load_row<scalar_t, NV>(k + offset, row);
+    for (int g = 0; g < G; ++g) {
+      fVec prod = qv[g][0] * row[0];
+      for (int c = 1; c < NV; ++c) prod = at::vec::fmadd(qv[g][c], row[c], prod);
+      const float score = at::vec::vec_reduce_all<float>([](fVec& a, fVec& b) { return a + b; }, prod);
+      scores[g * len + t] = score;
+      max_score[g] = std::max(max_score[g], score);
+    }
+  });
+  weigh_values<scalar_t, NV, G>(v, seq, head_offset, scores, max_score, out);
+}
+
+#if defined(MESHSERVE_AMX)
+// bf16 decode scores on AMX tiles: a block's 16 K rows, as they lie in the cache, are the A operand of S = K . Q^T
+// (16 keys x 16 lanes, the G heads in the first G lanes); Q^T, packed once per task into bf16 pairs along D, is
+// the B operand. One tile product per 32 elements of D replaces the vector pass's G dot products and horizontal
+// sums a row (the scores pass was most of the kernel's arithmetic, and with a batch's KV coming from memory the
+// kernel did not keep up with it). Scores are scaled after the products; rows past the sequence's end in its
+// last block are computed and never read. Tiles: 0 the scores, 1 a chunk of K, 2 a chunk of Q^T.
+constexpr int64_t kKeyTile = 16;
+
+template <int NV, int G>
+void attend_group_amx(const uint32_t* q_t, float scale, const at::BFloat16* k, const at::BFloat16* v,
+                      const SequenceView& seq, int64_t head_offset, float* scores, float* out) {
+  constexpr int64_t D = NV * fVec::size(), kChunks = D / 32;
+  const int64_t len = seq.seq_len;
+  const int64_t stride = seq.row_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+  alignas(64) float tile[kKeyTile * kKeyTile];
+  const __m512i columns = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(kKeyTile));
+  const __m512 vscale = _mm512_set1_ps(scale);
+  __m512 running[G];
+  for (int g = 0; g < G; ++g) running[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  constexpr int64_t kLine = 64, kRowBytes = D * sizeof(at::BFloat16);
+  for (int64_t first = 0, blk = 0; first < len; first += seq.block_size, ++blk) {
+    const int64_t base = seq.blocks[blk] * seq.block_stride + head_offset;
+    if (first + seq.block_size < len) {  // the next block's K and V rows, as for_each_row asks for them
+      const int64_t next = seq.blocks[blk + 1] * seq.block_stride + head_offset;
+      const int64_t next_rows = std::min(seq.block_size, len - first - seq.block_size);
+      for (const at::BFloat16* data : {k, v}) {
+        for (int64_t j = 0; j < next_rows; ++j) {
+          const char* row = reinterpret_cast<const char*>(data + next + j * seq.row_stride);
+          for (int64_t byte = 0; byte < kRowBytes; byte += kLine) __builtin_prefetch(row + byte);
+        }
+      }
+    }
+    for (int64_t sub = 0; sub < seq.block_size && first + sub < len; sub += kKeyTile) {
+      _tile_zero(0);
+      for (int64_t c = 0; c < kChunks; ++c) {
+        _tile_loadd(1, k + base + sub * seq.row_stride + c * 32, stride);
+        _tile_loadd(2, q_t + c * kKeyTile * kKeyTile, kKeyTile * sizeof(uint32_t));
+        _tile_dpbf16ps(0, 1, 2);
+      }
+      _tile_stored(0, tile, kKeyTile * sizeof(float));
+      const int64_t t0 = first + sub, live = std::min(kKeyTile, len - t0);
+      const __mmask16 mask = live >= kKeyTile ? __mmask16(0xffff) : __mmask16((1u << live) - 1);
+      for (int g = 0; g < G; ++g) {
+        const __m512 column = _mm512_mul_ps(_mm512_i32gather_ps(columns, tile + g, 4), vscale);
+        _mm512_mask_storeu_ps(scores + g * len + t0, mask, column);
+        running[g] = _mm512_mask_max_ps(running[g], mask, running[g], column);
+      }
+    }
+  }
+  float max_score[G];
+  for (int g = 0; g < G; ++g) max_score[g] = _mm512_reduce_max_ps(running[g]);
+  weigh_values<at::BFloat16, NV, G>(v, seq, head_offset, scores, max_score, out);
+}
+
+using AttendAmxFn = void (*)(const uint32_t*, float, const at::BFloat16*, const at::BFloat16*, const SequenceView&,
+                             int64_t, float*, float*);
+
+template <int NV, int G = 1>
+AttendAmxFn pick_group_amx(int64_t group) {
+  if constexpr (G > 8) {
+    return nullptr;
+  } else {
+    return group == G ? &attend_group_amx<NV, G> : pick_group_amx<NV, G + 1>(group);
+  }
+}
+
+// Whole 32-element chunks of D and whole 16-key tiles of a block; null: the vector kernel takes the step.
+AttendAmxFn pick_attend_amx(int64_t head_dim, int64_t group, int64_t block_size) {
+  if (!amx_permitted() || block_size % kKeyTile != 0) return nullptr;
+  switch (head_dim) {
+    case 64:
+      return pick_group_amx<4>(group);
+    case 128:
+      return pick_group_amx<8>(group);
+    case 256:
+      return pick_group_amx<16>(group);
+    default:
+      return nullptr;
+  }
+}
+
+// Q^T for one task: word w of head g (elements 2w, 2w + 1) at q_t[((w / 16) * 16 + w % 16) * 16 + g]; lanes past
+// the group are zero.
+inline void pack_query_t(const at::BFloat16* q, int64_t group, int64_t head_dim, uint32_t* q_t) {
+  const int64_t words = head_dim / 2;
+  std::fill(q_t, q_t + words * kKeyTile, 0u);
+  for (int64_t g = 0; g < group; ++g) {
+    const uint32_t* row = reinterpret_cast<const uint32_t*>(q + g * head_dim);
+    for (int64_t w = 0; w < words; ++w) q_t[w * kKeyTile + g] = row[w];
+  }
+}
+#endif
 
 template <typename scalar_t>
 using AttendFn = void (*)(const float*, const scalar_t*, const scalar_t*, const SequenceView&, int64_t, float*,
@@ -215,24 +320,59 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
     TORCH_CHECK(lens[b] >= 0 && (lens[b] + block_size - 1) / block_size <= max_blocks, "seq_lens[", b, "] = ",
                 lens[b], " does not fit block_tables' ", max_blocks, " blocks");
   }
-  // One task per (sequence, KV head), so a batch of one still uses every thread.
-  std::vector<int64_t> work(batch * num_kv_heads);
-  for (int64_t task = 0; task < static_cast<int64_t>(work.size()); ++task) work[task] = lens[task / num_kv_heads] + 1;
+  // A task is a sequence's KV heads (one after another: a block's heads lie side by side, and the hardware
+  // prefetcher's neighbouring lines then serve the next head) where the batch has enough sequences to keep
+  // every thread busy, else one (sequence, KV head), so a batch of one still uses every thread.
+  const int64_t heads_per_task = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t tasks_per_seq = num_kv_heads / heads_per_task;
+  std::vector<int64_t> work(batch * tasks_per_seq);
+  for (int64_t task = 0; task < static_cast<int64_t>(work.size()); ++task) work[task] = lens[task / tasks_per_seq] + 1;
   const std::vector<std::vector<int64_t>> assigned = assign_tasks(work);
   const int64_t threads = static_cast<int64_t>(assigned.size());
+#if defined(MESHSERVE_AMX)
+  AttendAmxFn attend_amx = nullptr;
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16>) attend_amx = pick_attend_amx(head_dim, group, block_size);
+#endif
   at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), of(group * head_dim), scores(group * longest);
+#if defined(MESHSERVE_AMX)
+    std::vector<uint32_t> q_t(attend_amx != nullptr ? head_dim / 2 * kKeyTile : 0);
+    if (attend_amx != nullptr) {
+      TileConfig config;
+      for (int t = 0; t < 3; ++t) {
+        config.rows[t] = kKeyTile;
+        config.colsb[t] = 64;
+      }
+      _tile_loadconfig(&config);
+    }
+#endif
     for (int64_t thread = begin; thread < end; ++thread) {
       for (const int64_t task : assigned[thread]) {
-        const int64_t b = task / num_kv_heads, kh = task % num_kv_heads;
-        const SequenceView seq{tables + b * max_blocks, lens[b], block_size, k_cache.stride(0), k_cache.stride(2)};
-        const int64_t first_head = b * num_heads + kh * group;
-        to_float(q_ptr + first_head * head_dim, qf.data(), group * head_dim);
-        at::vec::map([&](fVec x) { return x * vscale; }, qf.data(), qf.data(), group * head_dim);
-        attend(qf.data(), k_ptr, v_ptr, seq, kh * k_cache.stride(1), scores.data(), of.data());
-        at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          const int64_t b = task / tasks_per_seq, kh = (task % tasks_per_seq) * heads_per_task + h;
+          const SequenceView seq{tables + b * max_blocks, lens[b], block_size, k_cache.stride(0), k_cache.stride(2)};
+          const int64_t first_head = b * num_heads + kh * group;
+#if defined(MESHSERVE_AMX)
+          if (attend_amx != nullptr) {
+            if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+              pack_query_t(q_ptr + first_head * head_dim, group, head_dim, q_t.data());
+              attend_amx(q_t.data(), static_cast<float>(scale), k_ptr, v_ptr, seq, kh * k_cache.stride(1),
+                         scores.data(), of.data());
+              at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+            }
+            continue;
+          }
+#endif
+          to_float(q_ptr + first_head * head_dim, qf.data(), group * head_dim);
+          at::vec::map([&](fVec x) { return x * vscale; }, qf.data(), qf.data(), group * head_dim);
+          attend(qf.data(), k_ptr, v_ptr, seq, kh * k_cache.stride(1), scores.data(), of.data());
+          at::vec::convert(of.data(), out_ptr + first_head * head_dim, group * head_dim);
+        }
       }
     }
+#if defined(MESHSERVE_AMX)
+    if (attend_amx != nullptr) _tile_release();
+#endif
   });
 }
 

@@ -107,7 +107,12 @@ def test_silu_and_mul_is_bit_identical_to_the_reference(native: NativeCpuOps, dt
 
 
 def _paged_batch(
-    lens: list[int], num_heads: int, num_kv_heads: int, head_dim: int, layout: str, dtype: torch.dtype
+    lens: list[int],
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    layout: str,
+    dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, Hq, D] (one query token per sequence) and caches holding each sequence in shuffled blocks,
     unused slots zero; tables padded with block 0."""
@@ -120,15 +125,33 @@ def _paged_batch(
 @pytest.mark.parametrize("layout", [HND, NHD])
 @pytest.mark.parametrize(("num_heads", "num_kv_heads", "head_dim"), [(9, 3, 64), (8, 8, 64), (8, 1, 128), (16, 2, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# Lengths on, just past and just short of block edges, a single token, and one long sequence: six sequences are
+# a task per (sequence, KV head); twenty-four (the lengths four times) a task per sequence, its KV heads in turn.
+@pytest.mark.parametrize("repeat", [1, 4])
 def test_decode_attention_matches_the_reference(
-    native: NativeCpuOps, layout: str, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    native: NativeCpuOps,
+    layout: str,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    repeat: int,
 ) -> None:
-    # Lengths on, just past and just short of block edges, a single token, and one long sequence.
-    lens = [1, 15, 16, 17, 33, 300]
+    lens = [1, 15, 16, 17, 33, 300] * repeat
     q, k_cache, v_cache, tables, seq_lens = _paged_batch(lens, num_heads, num_kv_heads, head_dim, layout, dtype)
     scale = head_dim**-0.5
+    # The kernel reads caches whose unused slots hold huge keys and NaN values: the AMX scores pass multiplies a
+    # last block's rows past the sequence's end too (bf16 on an AMX host), and must never let them in.
+    k_poisoned, v_poisoned = k_cache.clone(), v_cache.clone()
+    block_size = head_major(k_cache, layout).shape[2]
+    unused = torch.ones(k_cache.shape[0], block_size, dtype=torch.bool)
+    for b, n in enumerate(lens):
+        for position in range(n):
+            unused[tables[b, position // block_size], position % block_size] = False
+    head_major(k_poisoned, layout).masked_fill_(unused[:, None, :, None], 3e4)
+    head_major(v_poisoned, layout).masked_fill_(unused[:, None, :, None], float("nan"))
     got = torch.ops.meshserve_cpu.paged_decode_attention(
-        q, head_major(k_cache, layout), head_major(v_cache, layout), tables, seq_lens, scale
+        q, head_major(k_poisoned, layout), head_major(v_poisoned, layout), tables, seq_lens, scale
     )
     # The reference in float32 is the truth; the native kernel keeps scores in float32 too.
     truth = decode_attention(q.float(), k_cache.float(), v_cache.float(), tables, seq_lens, scale, layout)
