@@ -6,8 +6,15 @@ back into an HND one (and the other way round): the cache layout never reaches t
 its own heads only, as a slice [local_kv_heads][num_layers][2][block_size][head_dim].
 
 Gather and scatter are vectorised over blocks: when the layers are views of one stacked tensor (the CPU
-cache, kv_cache.KVCache.allocate) one index_select / index_copy_ covers every layer and K/V; otherwise one
-per layer and K/V. Never a Python loop over tokens. Bytes are the machine's (little-endian on every
+cache, kv_cache.KVCache.allocate) one index_select / indexed copy covers every layer and K/V; otherwise one
+per layer and K/V. Never a Python loop over tokens.
+
+A CPU scatter copies through numpy, never a torch op: it runs on the kvstore's load thread, and a torch op on
+enough elements opens an OpenMP team on the thread that calls it. GNU OpenMP then counts more threads than
+the host has CPUs for as long as that thread lives, and stops spinning at every barrier of the model thread's
+team (each then waits on a futex): on the AMX Xeon a one-row int8 step took 16.9 ms instead of 6.6 once a
+live thread had run one index_copy_ (docs/benchmarks.md, issue 15's twenty-first step). Gathers run on the
+model thread and keep torch's. Bytes are the machine's (little-endian on every
 platform the worker runs on, which is what the store's contract says).
 """
 
@@ -205,10 +212,15 @@ def scatter_blocks(
         raise ValueError(f"block slices in {slices.dtype} do not fit a {k0.dtype} cache")
     whole = stacked if stacked is not None else stacked_view(layers, layout)
     if whole is not None:
-        # The CPU cache: one index_copy_ over every layer and K/V.
-        whole.index_copy_(0, torch.tensor(block_ids, dtype=torch.int64), slices.to(whole.device))
+        # The CPU cache: one indexed copy over every layer and K/V.
+        _copy_rows(whole, block_ids, slices)
         return
     device = k0.device
+    if device.type == "cpu":
+        for layer, (k_cache, v_cache) in enumerate(layers):
+            for kv, cache in enumerate((k_cache, v_cache)):
+                _copy_rows(head_major(cache, layout), block_ids, slices[:, :, layer, kv])
+        return
     for start, stop in _staging_groups(n, slices[0].numel() * slices.element_size(), device):
         index = torch.tensor(block_ids[start:stop], dtype=torch.int64, device=device)
         staged = slices[start:stop].to(device)
@@ -216,6 +228,14 @@ def scatter_blocks(
             for kv, cache in enumerate((k_cache, v_cache)):
                 # index_copy_ on the head-major view writes the cache itself, in whichever layout it is.
                 head_major(cache, layout).index_copy_(0, index, staged[:, :, layer, kv])
+
+
+def _copy_rows(target: torch.Tensor, rows: Sequence[int], source: torch.Tensor) -> None:
+    """target[rows[i]] = source[i] for CPU tensors of one dtype, in numpy on the calling thread alone (the module
+    docstring says why not torch): both are viewed as integers of the element's width, sharing their memory."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[target.element_size()]
+    view = target.view(width).numpy()
+    view[list(rows)] = source.view(width).numpy()
 
 
 def _staging_groups(n: int, block_bytes: int, device: torch.device) -> list[tuple[int, int]]:

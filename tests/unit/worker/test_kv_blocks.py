@@ -218,3 +218,41 @@ def test_layers_spaced_unevenly_are_not_stacked() -> None:
     for part in (cache.layers[1:], cache.layers[::2]):
         whole = stacked_view(part, HND)
         assert whole is not None and torch.equal(whole[:, :, -1, 1], part[-1][1])
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="torch runs one thread here: no op would open a team")
+@pytest.mark.parametrize("stacked", [True, False])
+def test_a_cpu_scatter_opens_no_openmp_team_on_the_thread_that_runs_it(stacked: bool) -> None:
+    """The kvstore's load thread scatters, and lives on: an OpenMP team opened there would count its threads
+    against the host's CPUs for good and stop the model thread's team from spinning at its barriers. Enough
+    blocks that one torch copy of them would run in parallel; the thread count must not grow by that team's
+    threads while the scattering thread is alive."""
+    import os
+    import threading
+
+    cache = KVCache.allocate(
+        num_blocks=64, num_layers=8, block_size=16, num_kv_heads=4, head_dim=64, dtype=torch.bfloat16,
+        device=torch.device("cpu"), layout=HND,
+    )  # fmt: skip
+    layers = cache.layers if stacked else [(k.clone(), v.clone()) for k, v in cache.layers]
+    assert (stacked_view(layers, HND) is not None) is stacked
+    blocks = list(range(0, 64, 2))
+    slices = torch.randn(len(blocks), 4, 8, 2, 16, 64).to(torch.bfloat16)
+    assert slices.numel() > 4 * 32768  # torch's grain: a copy of this many elements would be split over threads
+    done, finish = threading.Event(), threading.Event()
+
+    def load() -> None:
+        scatter_blocks(layers, blocks, slices, HND)
+        done.set()
+        finish.wait()
+
+    before = len(os.listdir("/proc/self/task"))
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        assert done.wait(30)
+        assert len(os.listdir("/proc/self/task")) == before + 1  # the loading thread itself, nothing more
+    finally:
+        finish.set()
+        thread.join()
+    assert torch.equal(gather_blocks(layers, blocks, HND), slices)
