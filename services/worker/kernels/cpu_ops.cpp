@@ -61,12 +61,12 @@ struct SequenceView {
   int64_t row_stride;    // elements between a block's rows (tokens)
 };
 
-// Calls fn(token, row offset) for each of the sequence's cached rows, block by block, prefetching the next
-// block's rows (row_elems each) in every one of `prefetch`: blocks sit anywhere in a cache far larger than
+// Calls fn(first token, rows, offset of its first row) for each of the sequence's cached blocks, prefetching the
+// next block's rows (row_elems each) in every one of `prefetch`: blocks sit anywhere in a cache far larger than
 // the CPU's caches, and without the hint every block starts with a full memory latency.
 template <typename scalar_t, typename Fn>
-inline void for_each_row(const SequenceView& seq, int64_t head_offset, std::initializer_list<const scalar_t*> prefetch,
-                         int64_t row_elems, Fn&& fn) {
+inline void for_each_block(const SequenceView& seq, int64_t head_offset,
+                           std::initializer_list<const scalar_t*> prefetch, int64_t row_elems, Fn&& fn) {
   constexpr int64_t kLine = 64;
   const int64_t row_bytes = row_elems * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t first = 0, blk = 0; first < seq.seq_len; first += seq.block_size, ++blk) {
@@ -83,8 +83,17 @@ inline void for_each_row(const SequenceView& seq, int64_t head_offset, std::init
         }
       }
     }
-    for (int64_t j = 0; j < rows; ++j) fn(first + j, base + j * seq.row_stride);
+    fn(first, rows, base);
   }
+}
+
+// Calls fn(token, row offset) for each of the sequence's cached rows, block by block (for_each_block).
+template <typename scalar_t, typename Fn>
+inline void for_each_row(const SequenceView& seq, int64_t head_offset, std::initializer_list<const scalar_t*> prefetch,
+                         int64_t row_elems, Fn&& fn) {
+  for_each_block(seq, head_offset, prefetch, row_elems, [&](int64_t first, int64_t rows, int64_t base) {
+    for (int64_t j = 0; j < rows; ++j) fn(first + j, base + j * seq.row_stride);
+  });
 }
 
 // Passes 2 and 3 of a decode's attention for the G query heads of one KV head: each head's scores (scores[g * len
@@ -165,20 +174,8 @@ void attend_group_amx(const uint32_t* q_t, float scale, const at::BFloat16* k, c
   const __m512 vscale = _mm512_set1_ps(scale);
   __m512 running[G];
   for (int g = 0; g < G; ++g) running[g] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  constexpr int64_t kLine = 64, kRowBytes = D * sizeof(at::BFloat16);
-  for (int64_t first = 0, blk = 0; first < len; first += seq.block_size, ++blk) {
-    const int64_t base = seq.blocks[blk] * seq.block_stride + head_offset;
-    if (first + seq.block_size < len) {  // the next block's K and V rows, as for_each_row asks for them
-      const int64_t next = seq.blocks[blk + 1] * seq.block_stride + head_offset;
-      const int64_t next_rows = std::min(seq.block_size, len - first - seq.block_size);
-      for (const at::BFloat16* data : {k, v}) {
-        for (int64_t j = 0; j < next_rows; ++j) {
-          const char* row = reinterpret_cast<const char*>(data + next + j * seq.row_stride);
-          for (int64_t byte = 0; byte < kRowBytes; byte += kLine) __builtin_prefetch(row + byte);
-        }
-      }
-    }
-    for (int64_t sub = 0; sub < seq.block_size && first + sub < len; sub += kKeyTile) {
+  for_each_block(seq, head_offset, {k, v}, D, [&](int64_t first, int64_t rows, int64_t base) {
+    for (int64_t sub = 0; sub < rows; sub += kKeyTile) {
       _tile_zero(0);
       for (int64_t c = 0; c < kChunks; ++c) {
         _tile_loadd(1, k + base + sub * seq.row_stride + c * 32, stride);
@@ -194,7 +191,7 @@ void attend_group_amx(const uint32_t* q_t, float scale, const at::BFloat16* k, c
         running[g] = _mm512_mask_max_ps(running[g], mask, running[g], column);
       }
     }
-  }
+  });
   float max_score[G];
   for (int g = 0; g < G; ++g) max_score[g] = _mm512_reduce_max_ps(running[g]);
   weigh_values<at::BFloat16, NV, G>(v, seq, head_offset, scores, max_score, out);
