@@ -10,7 +10,12 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeAlias
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+# A value to store, as the parts it is the concatenation of (a block's header, then views of its payload
+# where it arrived): each backend copies them once, to where it keeps the value.
+ValueParts: TypeAlias = Sequence[Buffer]
 
 # Every key this store writes starts with this, so one Redis can hold other data too, and a later
 # incompatible key scheme (kv2) can live beside this one.
@@ -63,7 +68,7 @@ class Backend(Protocol):
         """The value of each key (None where absent), in one round trip."""
         ...
 
-    async def put_many_nx(self, items: Sequence[tuple[str, bytes]]) -> list[PutOutcome]:
+    async def put_many_nx(self, items: Sequence[tuple[str, ValueParts]]) -> list[PutOutcome]:
         """Store each value unless its key holds one already, in one round trip."""
         ...
 

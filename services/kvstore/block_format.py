@@ -33,6 +33,7 @@ from typing import Final, Literal
 import xxhash
 
 from services.common.kv_store_limits import BLOCK_HASH_BYTES, DTYPE_BYTES
+from services.kvstore.backend import Buffer
 
 MAGIC: Final = b"MSKVBLK1"
 FORMAT_VERSION: Final = 1
@@ -56,8 +57,6 @@ _FIXED = struct.Struct(f"<8sHIIIIQQ{BLOCK_HASH_BYTES}s")
 PAYLOAD_LENGTH_OFFSET: Final = struct.calcsize("<8sHIIII")
 _U8 = struct.Struct("<B")
 _U16 = struct.Struct("<H")
-
-Buffer = bytes | bytearray | memoryview
 
 
 @dataclass(frozen=True)
@@ -139,8 +138,8 @@ def checksum(parts: Sequence[Buffer]) -> int:
     return hasher.intdigest()
 
 
-def encode(kv_format: str, block_hash: bytes, shape: BlockShape, payload_parts: Sequence[Buffer]) -> bytes:
-    """The stored value of one block whose payload is the concatenation of payload_parts (one copy)."""
+def encode_parts(kv_format: str, block_hash: bytes, shape: BlockShape, payload_parts: Sequence[Buffer]) -> list[Buffer]:
+    """The stored value of one block as its header followed by payload_parts (no copy of the payload)."""
     payload_len = sum(len(p) for p in payload_parts)
     if (problem := shape.problem()) is not None:
         raise ValueError(problem)
@@ -172,7 +171,12 @@ def encode(kv_format: str, block_hash: bytes, shape: BlockShape, payload_parts: 
             fmt,
         )
     )
-    return b"".join((header, *payload_parts))
+    return [header, *payload_parts]
+
+
+def encode(kv_format: str, block_hash: bytes, shape: BlockShape, payload_parts: Sequence[Buffer]) -> bytes:
+    """The stored value of one block in one buffer of its own (one copy of the payload)."""
+    return b"".join(encode_parts(kv_format, block_hash, shape, payload_parts))
 
 
 def _string(view: memoryview, offset: int, size: struct.Struct) -> tuple[str, int] | None:

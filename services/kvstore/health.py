@@ -22,7 +22,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from services.common.proto.meshserve.v1 import kvstore_pb2
-from services.kvstore.backend import Backend, BackendUnavailable, PutOutcome
+from services.kvstore.backend import Backend, BackendUnavailable, PutOutcome, ValueParts
 from services.kvstore.metrics import BackendOp, KVStoreMetrics
 
 SERVICE_NAME = kvstore_pb2.DESCRIPTOR.services_by_name["KVBlockStore"].full_name
@@ -88,7 +88,7 @@ class MonitoredBackend:
         """As Backend.get_many."""
         return await self._call("get", lambda: self.backend.get_many(keys))
 
-    async def put_many_nx(self, items: Sequence[tuple[str, bytes]]) -> list[PutOutcome]:
+    async def put_many_nx(self, items: Sequence[tuple[str, ValueParts]]) -> list[PutOutcome]:
         """As Backend.put_many_nx."""
         return await self._call("put", lambda: self.backend.put_many_nx(items))
 

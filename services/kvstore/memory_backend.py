@@ -1,21 +1,32 @@
-"""Blocks in this process's memory: least recently used goes first when a byte budget is reached."""
+"""Blocks in this process's memory: least recently used goes first when a byte budget is reached.
+
+The values lie in a ValueArena of the budget's size (value_arena.py says why), which the backend can
+populate ahead of use (--reserve-memory)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
-from services.kvstore.backend import BackendStats, PutOutcome
+from services.kvstore.backend import BackendStats, PutOutcome, ValueParts
 from services.kvstore.settings import MAX_CACHED_FORMATS
+from services.kvstore.value_arena import ValueArena
 
 
 class MemoryBackend:
     """An LRU of values within capacity_bytes; a Get hit makes a value the most recently used."""
 
-    def __init__(self, capacity_bytes: int, on_evict: Callable[[int], None] | None = None) -> None:
-        """on_evict(n) is told each time n values are evicted, for the metrics."""
+    def __init__(
+        self, capacity_bytes: int, on_evict: Callable[[int], None] | None = None, reserve: bool = False
+    ) -> None:
+        """on_evict(n) is told each time n values are evicted, for the metrics; reserve: populate the whole
+        budget in the background from the start."""
         self.capacity_bytes = capacity_bytes
-        self._values: OrderedDict[str, bytes] = OrderedDict()
+        self.arena = ValueArena(capacity_bytes)
+        if reserve:
+            self.arena.start_populating()
+        # Each value's (offset, length) in the arena, least recently used first.
+        self._values: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._bytes_used = 0
         self._evictions = 0
         self._on_evict = on_evict
@@ -31,34 +42,44 @@ class MemoryBackend:
         """The values (None where absent); each hit becomes the most recently used."""
         out: list[bytes | None] = []
         for key in keys:
-            value = self._values.get(key)
-            if value is not None:
+            extent = self._values.get(key)
+            if extent is None:
+                out.append(None)
+            else:
                 self._values.move_to_end(key)
-            out.append(value)
+                out.append(self.arena.read(*extent))
         return out
 
-    async def put_many_nx(self, items: Sequence[tuple[str, bytes]]) -> list[PutOutcome]:
-        """Store the new values, evicting the least recently used until they fit."""
+    async def put_many_nx(self, items: Sequence[tuple[str, ValueParts]]) -> list[PutOutcome]:
+        """Store the new values, evicting the least recently used until each fits."""
         outcomes = []
-        for key, value in items:
+        for key, parts in items:
+            length = sum(len(p) for p in parts)
             if key in self._values:
                 outcomes.append(PutOutcome.EXISTING)
-            elif len(value) > self.capacity_bytes:
+            elif length > self.capacity_bytes:
                 # Evicting everything would still not make room.
                 outcomes.append(PutOutcome.DROPPED)
             else:
-                self._values[key] = value
-                self._bytes_used += len(value)
-                self._evict_to_fit()
+                self._values[key] = (self._write(parts, length), length)
+                self._bytes_used += length
                 outcomes.append(PutOutcome.STORED)
         return outcomes
 
-    def _evict_to_fit(self) -> None:
+    def _write(self, parts: ValueParts, length: int) -> int:
+        """The value's offset in the arena, evicting the least recently used until the budget has room for
+        it and a free extent is long enough (with one value size, the same thing)."""
         evicted = 0
-        while self._bytes_used > self.capacity_bytes:
-            _, old = self._values.popitem(last=False)
-            self._bytes_used -= len(old)
+        while self._bytes_used + length > self.capacity_bytes or (offset := self.arena.write(parts)) is None:
+            # An empty arena has one free extent of capacity_bytes >= length, so this ends.
+            _, (old_offset, old_length) = self._values.popitem(last=False)
+            self.arena.free(old_offset, old_length)
+            self._bytes_used -= old_length
             evicted += 1
+        self._counted_evictions(evicted)
+        return offset
+
+    def _counted_evictions(self, evicted: int) -> None:
         if evicted:
             self._evictions += evicted
             if self._on_evict is not None:
@@ -74,9 +95,10 @@ class MemoryBackend:
     async def delete(self, keys: Sequence[str]) -> None:
         """Drop these values."""
         for key in keys:
-            value = self._values.pop(key, None)
-            if value is not None:
-                self._bytes_used -= len(value)
+            extent = self._values.pop(key, None)
+            if extent is not None:
+                self.arena.free(*extent)
+                self._bytes_used -= extent[1]
 
     async def register_format(self, key: str, record: bytes) -> bytes:
         """The record registered under key, this one if none was."""
@@ -103,4 +125,7 @@ class MemoryBackend:
         )
 
     async def close(self) -> None:
-        """Nothing to release."""
+        """Drop every value and the memory that held them."""
+        self._values.clear()
+        self._bytes_used = 0
+        self.arena.close()

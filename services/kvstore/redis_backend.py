@@ -15,7 +15,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from services.common.redis_pool import bounded_redis
-from services.kvstore.backend import BackendStats, BackendUnavailable, PutOutcome
+from services.kvstore.backend import BackendStats, BackendUnavailable, PutOutcome, ValueParts
 from services.kvstore.settings import LOOKUP_BATCH_KEYS, REDIS_POOL_TIMEOUT_S
 
 # Connection trouble: Redis is down, restarting or hung.
@@ -54,14 +54,15 @@ class RedisBackend:
         # decode_responses is off: values are bytes (or None).
         return [v if isinstance(v, bytes) or v is None else v.encode() for v in values]
 
-    async def put_many_nx(self, items: Sequence[tuple[str, bytes]]) -> list[PutOutcome]:
+    async def put_many_nx(self, items: Sequence[tuple[str, ValueParts]]) -> list[PutOutcome]:
         """One pipeline of SET key value NX [EX ttl]; a value Redis refuses (maxmemory) is DROPPED."""
         if not items:
             return []
         try:
             async with self._redis.pipeline(transaction=False) as pipe:
-                for key, value in items:
-                    pipe.set(key, value, nx=True, ex=self._ttl)
+                for key, parts in items:
+                    # SET takes one value: the parts are joined here, their one copy on this side.
+                    pipe.set(key, b"".join(parts), nx=True, ex=self._ttl)
                 results = await pipe.execute(raise_on_error=False)
         except _FAILED as err:
             raise BackendUnavailable(str(err)) from err

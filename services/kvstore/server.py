@@ -21,7 +21,7 @@ __all__ = ["BACKEND_HEALTH_NAME", "SERVICE_NAME", "serve"]
 def make_backend(settings: KVStoreSettings, metrics: KVStoreMetrics) -> Backend:
     """The backend --backend names."""
     if settings.backend_kind == "memory":
-        return MemoryBackend(settings.capacity_bytes, on_evict=metrics.evicted)
+        return MemoryBackend(settings.capacity_bytes, on_evict=metrics.evicted, reserve=settings.reserve_memory)
     return RedisBackend(
         settings.backend,
         max_connections=settings.redis_max_connections,

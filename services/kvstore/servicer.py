@@ -21,8 +21,8 @@ from grpc_health.v1._async import HealthServicer
 from services.common.errors import StatusError
 from services.common.kv_store_limits import MAX_CHUNK_BYTES
 from services.common.proto.meshserve.v1 import kvstore_pb2, kvstore_pb2_grpc
-from services.kvstore.backend import Backend, BackendUnavailable, PutOutcome, block_key
-from services.kvstore.block_format import Block, Rejection, checksum, decode, encode
+from services.kvstore.backend import Backend, BackendUnavailable, PutOutcome, ValueParts, block_key
+from services.kvstore.block_format import Block, Rejection, checksum, decode, encode_parts
 from services.kvstore.formats import FormatRegistry
 from services.kvstore.health import MonitoredBackend
 from services.kvstore.metrics import KVStoreMetrics, Rpc
@@ -53,20 +53,25 @@ log = structlog.get_logger()
 class _PutTally:
     """One Put stream's outcome so far, and the encoded blocks waiting for one backend write."""
 
-    batch: list[tuple[str, bytes]] = field(default_factory=list)
+    # Values as parts: payloads that came by shared memory are views, copied by the backend's write.
+    batch: list[tuple[str, ValueParts]] = field(default_factory=list)
     batch_bytes: int = 0
     stored: int = 0
     existing: int = 0
     dropped: int = 0
     held: list[Ticket] = field(default_factory=list)
 
-    def add(self, key: str, value: bytes) -> None:
+    def add(self, key: str, value: ValueParts) -> None:
         self.batch.append((key, value))
-        self.batch_bytes += len(value)
+        self.batch_bytes += sum(len(p) for p in value)
 
-    def take_batch(self) -> list[tuple[str, bytes]]:
+    def take_batch(self) -> list[tuple[str, ValueParts]]:
         batch, self.batch, self.batch_bytes = self.batch, [], 0
         return batch
+
+    def own_batch(self) -> None:
+        """Copy the queued values out of the writer's shared memory, which it reuses once the Put has ended."""
+        self.batch = [(key, [b"".join(parts)]) for key, parts in self.batch]
 
 
 class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
@@ -157,7 +162,9 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             await self._flush(tally)
             await self._abort(context, "put", err)
         except BaseException:
-            # The caller went away (cancelled): its completed blocks are still worth keeping.
+            # The caller went away (cancelled): its completed blocks are still worth keeping, written after
+            # this call has ended, so out of the memory the writer may be reusing now.
+            tally.own_batch()
             task = asyncio.create_task(self._flush(tally))
             self._background.add(task)
             task.add_done_callback(self._background.discard)
@@ -176,7 +183,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             return None
         if chunk.data:
             raise invalid("shared", "is set beside data; a chunk carries its payload in one of them, not both")
-        # A view: a whole block is encoded (its one copy) before this Put answers; staging copies a slice.
+        # A view: a whole block is written to the backend (its one copy) before this Put answers, or copied
+        # when the Put is cancelled; staging copies a slice.
         return self.shared_segments.read(chunk.shared)
 
     async def _take(self, done: CompleteSlice, registered: bool, tally: _PutTally) -> None:
@@ -204,8 +212,8 @@ class KVStoreServicer(kvstore_pb2_grpc.KVBlockStoreServicer):
             await self._flush(tally)
 
     @staticmethod
-    def _encode(header: SliceHeader, parts: Sequence[bytes | memoryview]) -> bytes:
-        return encode(header.kv_format, header.block_hash, header.shape, parts)
+    def _encode(header: SliceHeader, parts: Sequence[bytes | memoryview]) -> ValueParts:
+        return encode_parts(header.kv_format, header.block_hash, header.shape, parts)
 
     async def _flush(self, tally: _PutTally) -> None:
         """Write the queued blocks in one backend call (SET NX each); none of it is an error to the caller."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import struct
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from services.client.launcher import Launcher, ServiceProcess
+from services.common.byte_sizes import parse_size
 from services.common.errors import field_violations
 from services.common.kv_store_limits import MAX_BLOCK_HASHES, MAX_CHUNK_BYTES
 from services.common.ports import free_port
@@ -24,6 +26,7 @@ from services.kvstore.validation import shape_to_proto
 from tests.support.kvstore import (
     BIG,
     SMALL,
+    TEST_STORE_CAPACITY,
     KVStoreClient,
     RedisServer,
     Slice,
@@ -130,7 +133,7 @@ async def test_round_trip_whole_and_by_head_range(store: ServiceProcess) -> None
         assert after.backend == store.name.removeprefix("kvstore-")
         assert after.backend_serving
         if after.backend == "memory":  # Redis keeps its own counts (and maxmemory decides its room)
-            assert after.capacity_bytes == 4 << 30
+            assert after.capacity_bytes == parse_size(TEST_STORE_CAPACITY[1])
             assert after.num_blocks - before.num_blocks == 3
             assert after.bytes_used - before.bytes_used > 3 * BIG.payload_bytes
         else:
@@ -431,3 +434,30 @@ async def test_sigterm_drains_a_put_in_flight_then_exits_zero(log_dir: Path) -> 
         assert await asyncio.to_thread(store.process.wait, 30) == 0
     finally:
         launcher.stop_all(timeout=10)
+
+
+def _rss_bytes(service: ServiceProcess) -> int:
+    for line in Path(f"/proc/{service.process.pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {service.name}")
+
+
+async def test_a_memory_store_takes_its_capacity_up_front_unless_told_not_to(launcher: Launcher) -> None:
+    capacity = 384 << 20
+    reserved = launch_kvstore(launcher, "kvstore-reserved", args=["--capacity", "384MiB"])
+    lazy = launch_kvstore(launcher, "kvstore-lazy", args=["--capacity", "384MiB", "--no-reserve-memory"])
+    for store in (reserved, lazy):
+        await launcher.wait_healthy(store, 60)
+    deadline = time.monotonic() + 120
+    while _rss_bytes(reserved) < capacity and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert _rss_bytes(reserved) >= capacity, reserved.log_tail()
+    # The same store told not to takes memory only as blocks arrive: the interpreter and its libraries.
+    assert _rss_bytes(lazy) < capacity // 2
+    for store in (reserved, lazy):
+        fmt = kv_format(f"reserve-{store.name}")
+        slices = _slices(fmt, BIG, 4, seed=7)
+        async with KVStoreClient(store.address) as kv:
+            assert (await kv.put(slices)).num_blocks_stored == 4
+            assert [b.data for b in await kv.get(fmt, [s.block_hash for s in slices])] == [s.data for s in slices]

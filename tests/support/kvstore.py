@@ -251,12 +251,17 @@ class RedisServer:
         self.process = None
 
 
+# A memory store takes its whole --capacity up front (--reserve-memory); a test's blocks fit in far less than
+# the 4 GiB default, and a later --capacity in a test's own args wins.
+TEST_STORE_CAPACITY = ("--capacity", "512MiB")
+
+
 def launch_kvstore(launcher: Launcher, name: str, backend: str = "memory", args: Sequence[str] = ()) -> ServiceProcess:
     """Start `meshserve kvstore` on a free port (not waited for: see Launcher.wait_healthy)."""
     port = free_port()
     return launcher.start(
         name,
-        ["kvstore", "--host", "127.0.0.1", "--port", str(port), "--backend", backend, *args],
+        ["kvstore", "--host", "127.0.0.1", "--port", str(port), "--backend", backend, *TEST_STORE_CAPACITY, *args],
         f"127.0.0.1:{port}",
     )
 

@@ -15,6 +15,7 @@ from services.client.launcher import Launcher, ServiceProcess, start_suite_proce
 from services.common.channels import insecure_channel
 from services.common.ports import free_port
 from services.common.proto.meshserve.v1 import scheduler_pb2, scheduler_pb2_grpc
+from tests.support.kvstore import TEST_STORE_CAPACITY
 
 if TYPE_CHECKING:
     from services.client.dev_certs import DevCerts
@@ -158,7 +159,7 @@ def start_suite(
             worker_args=worker_args,
             gateway_args=gateway_args,
             kv_store_port=None if kv_store_args is None else free_port(),
-            kv_store_args=kv_store_args or (),
+            kv_store_args=[*TEST_STORE_CAPACITY, *(kv_store_args or ())],
             common_args=common_args,
             certs=certs,
             metrics_port=metrics_port,
