@@ -101,7 +101,7 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
 def measure(rows: list[int], repeats: int) -> dict[str, object]:
     loader.load()
     pack_dtype = CpuPlatform(kernels="native").matmul_pack_dtype(torch.bfloat16) or torch.bfloat16
-    tiles = bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+    tiles = bool(torch.ops.meshserve_cpu.half_linear_takes_tiles())
     step = build(rows_hint=32, pack_dtype=pack_dtype, tiles=tiles)
     nbytes = {
         "bf16": sum(m.packed_bf16.numel() * pack_dtype.itemsize for m in step),

@@ -117,7 +117,7 @@ inline void check_cpu(const at::Tensor& t, const char* name) {
 #if defined(MESHSERVE_AMX)
 // Linux hands a process the AMX tile state only once asked (arch_prctl ARCH_REQ_XCOMP_PERM for
 // XFEATURE_XTILEDATA); until then a tile instruction faults. Asked once per process; false sends prefills to
-// the vdpbf16ps operands, and the platform packs no half weight into tiles (half_linear_on_amx).
+// the vdpbf16ps operands, and tile-packed half weights to half_linear's vdpbf16ps tile path.
 inline bool amx_permitted() {
   static const bool permitted = [] {
     constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;

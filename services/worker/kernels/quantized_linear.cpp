@@ -560,6 +560,84 @@ void half_linear_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor& out)
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+// bf16 weights packed into tiles (layers/quantization.py's tile_half_weight: [N/16, K/32, 16, 16, 2]) on an
+// AVX512-BF16 CPU without AMX, or where the process was refused the tile state. A tile's row p is 16 outputs'
+// pair of columns 2p, 2p + 1: one vector that vdpbf16ps multiplies by a pair of x's columns broadcast, into 16
+// float32 sums at once. So a pass keeps blocks of 16 sums for several rows in registers and reads each weight
+// vector once for all of them, where the plain layout's path sums one output at a time and reads the weights
+// again every 8 rows. oneDNN's avx512_bf16 GEMM reorders the weights on every call, which costs
+// a decode step of a few dozen rows as much as the arithmetic (a SmolLM2 step's matmuls on the Zen 4 EPYC at
+// 1 / 32 / 64 rows: oneDNN 14.9 / 29.7 / 57.4 ms; docs/benchmarks.md).
+// 16-output tile columns a pass multiplies at once, and rows of x: 3 x 8 blocks of 16 sums, 3 weight vectors and
+// a broadcast fill 28 of the 32 vector registers, and each broadcast of x feeds three vdpbf16ps.
+constexpr int64_t kDotTileGroup = 3, kDotTileRows = 8;
+// Weight rows (64 bytes: a pair of columns for a tile's 16 outputs) asked for ahead of the one multiplied, in
+// each tile column a pass reads: 4 KB. SmolLM2's matmuls at 1 / 4 / 32 rows on the Zen 4 EPYC, 16 ahead:
+// 8.7 / 9.6 / 20.8 ms; 32: 7.2 / 7.6 / 18.8; 64: 7.2 / 7.8 / 19.2; 128: 7.3 / 7.8 / 19.1 (the fastest of 7).
+constexpr int64_t kDotTilePrefetch = 64;
+
+// y[ROWS, NB * 16] = x[ROWS, K] . NB consecutive 16-output tile columns of the weight (w: the first one's
+// [K/32, 16, 16, 2], tile_elems elements apart). Each output's sum runs over the column pairs in order, one
+// chain whatever ROWS and NB, so a row's result does not depend on the rows or columns beside it.
+template <int64_t ROWS, int64_t NB>
+inline void dot_tiles(const at::BFloat16* x, int64_t k_size, const at::BFloat16* w, int64_t tile_elems,
+                      at::BFloat16* y, int64_t n_size) {
+  __m512 sums[ROWS][NB];
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t b = 0; b < NB; ++b) sums[r][b] = _mm512_setzero_ps();
+  const int64_t pairs = k_size / 2;
+  for (int64_t kp = 0; kp < pairs; ++kp) {
+    __m512bh wv[NB];
+    for (int64_t b = 0; b < NB; ++b) {
+      const at::BFloat16* row = w + b * tile_elems + kp * 32;
+      _mm_prefetch(reinterpret_cast<const char*>(row + kDotTilePrefetch * 32), _MM_HINT_T0);
+      wv[b] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(row));
+    }
+    for (int64_t r = 0; r < ROWS; ++r) {
+      const __m512bh xv = (__m512bh)_mm512_broadcastd_epi32(_mm_loadu_si32(x + r * k_size + 2 * kp));
+      for (int64_t b = 0; b < NB; ++b) sums[r][b] = _mm512_dpbf16_ps(sums[r][b], xv, wv[b]);
+    }
+  }
+  for (int64_t r = 0; r < ROWS; ++r)
+    for (int64_t b = 0; b < NB; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + r * n_size + b * 16), (__m256i)_mm512_cvtneps_pbh(sums[r][b]));
+}
+
+// half_linear's body for bf16 x and a tile-packed bf16 weight without AMX: groups of kDotTileGroup tile columns
+// split over the threads; in each, blocks of kDotTileRows rows, the group's weights (48 x K bf16) reused from
+// cache after the first.
+void half_linear_dot_tiles(const at::Tensor& x, const at::Tensor& tiles, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_size = x.size(1), n_tiles = tiles.size(0);
+  const int64_t n_size = n_tiles * 16, tile_elems = 16 * k_size;
+  const at::Tensor xc = x.contiguous();
+  const at::BFloat16* xp = xc.data_ptr<at::BFloat16>();
+  const at::BFloat16* wp = tiles.data_ptr<at::BFloat16>();
+  at::BFloat16* yp = out.data_ptr<at::BFloat16>();
+  const int64_t groups = (n_tiles + kDotTileGroup - 1) / kDotTileGroup;
+  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t g = begin; g < end; ++g) {
+      const int64_t t0 = g * kDotTileGroup, nb = std::min(kDotTileGroup, n_tiles - t0);
+      for (int64_t r = 0; r < rows; r += kDotTileRows) {
+        const int64_t block = std::min(kDotTileRows, rows - r);
+        const at::BFloat16* xr = xp + r * k_size;
+        const at::BFloat16* w = wp + t0 * tile_elems;
+        at::BFloat16* y = yp + r * n_size + t0 * 16;
+        with_rows<kDotTileRows>(block, "half_linear_dot_tiles", [&]<int64_t R>() {
+          if (nb == 3) {
+            dot_tiles<R, 3>(xr, k_size, w, tile_elems, y, n_size);
+          } else if (nb == 2) {
+            dot_tiles<R, 2>(xr, k_size, w, tile_elems, y, n_size);
+          } else {
+            dot_tiles<R, 1>(xr, k_size, w, tile_elems, y, n_size);
+          }
+        });
+      }
+    }
+  });
+}
+#endif
+
 #if defined(MESHSERVE_AMX)
 // bf16 weights packed for AMX tiles (layers/quantization.py's tile_half_weight): [N/16, K/32, 16, 16, 2], tile
 // (nb, kb) holding output rows nb*16.. and input columns kb*32.. as 16 rows of 16 column pairs, which is
@@ -624,8 +702,6 @@ inline void tile_chunk(const at::BFloat16* x, int64_t rows, int64_t k_size, cons
 // x padded with zero rows to whole chunks (one tile configuration for every chunk); each row's sums run in the
 // same order in any chunk, so a row's result does not depend on the rows beside it.
 void half_linear_tiles(const at::Tensor& x, const at::Tensor& tiles, at::Tensor& out) {
-  TORCH_CHECK(amx_permitted(), "half_linear: a tile-packed weight needs the AMX tile state, which this process "
-              "was refused; serve without it (the platform packs none where half_linear_on_amx() is false)");
   const int64_t rows = x.size(0), k_size = x.size(1), n_tiles = tiles.size(0), k_tiles = tiles.size(1);
   const int64_t n_size = n_tiles * kTileN;
   const int64_t chunks = (rows + kTileChunkRows - 1) / kTileChunkRows;
@@ -668,13 +744,23 @@ void half_linear_tiles(const at::Tensor& x, const at::Tensor& tiles, at::Tensor&
 }
 #endif
 
-// Whether half_linear multiplies tile-packed bf16 weights here: built for AMX and granted the tile state. The
-// platform packs a bf16 model's half weights into tiles only where it does (platforms/cpu_native_ops.py).
+// Whether half_linear multiplies tile-packed bf16 weights on AMX tiles here: built for AMX and granted the tile
+// state.
 bool half_linear_on_amx() {
 #if defined(MESHSERVE_AMX)
   return amx_permitted();
 #else
   return false;
+#endif
+}
+
+// Whether half_linear takes tile-packed bf16 weights here at all (on AMX tiles or through vdpbf16ps). The
+// platform packs a bf16 model's half weights into tiles only where it does (platforms/cpu_native_ops.py).
+bool half_linear_takes_tiles() {
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+  return true;
+#else
+  return half_linear_on_amx();
 #endif
 }
 
@@ -688,18 +774,27 @@ at::Tensor half_linear(const at::Tensor& x, const at::Tensor& weight) {
                   (weight.scalar_type() == at::kBFloat16 || weight.scalar_type() == at::kHalf),
               "half_linear: weight must be bfloat16 or float16 [out, in] (or bfloat16 tiles [out/16, in/32, 16, 16, 2])");
   if (weight.dim() == 5) {
-    // Tile-packed [N/16, K/32, 16, 16, 2] (half_linear_on_amx).
+    // Tile-packed [N/16, K/32, 16, 16, 2] (half_linear_takes_tiles): on AMX tiles where the process has them,
+    // else through vdpbf16ps.
     TORCH_CHECK(weight.scalar_type() == at::kBFloat16 && x.scalar_type() == at::kBFloat16 && weight.size(2) == 16 &&
                     weight.size(3) == 16 && weight.size(4) == 2 && weight.is_contiguous(),
                 "half_linear: a tile-packed weight must be contiguous bfloat16 [out/16, in/32, 16, 16, 2] with bfloat16 x");
     TORCH_CHECK(weight.size(1) * 32 == x.size(1), "half_linear: x has ", x.size(1), " features, the tiles ",
                 weight.size(1) * 32);
-#if defined(MESHSERVE_AMX)
     at::Tensor out = at::empty({x.size(0), weight.size(0) * 16}, x.options());
-    if (x.size(0) > 0) half_linear_tiles(x, weight, out);
+    if (x.size(0) == 0) return out;
+#if defined(MESHSERVE_AMX)
+    if (amx_permitted()) {
+      half_linear_tiles(x, weight, out);
+      return out;
+    }
+#endif
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
+    half_linear_dot_tiles(x, weight, out);
     return out;
 #else
-    TORCH_CHECK(false, "half_linear: this kernel library was built without AMX; a tile-packed weight needs it");
+    TORCH_CHECK(false, "half_linear: this kernel library was built without AVX512-BF16; a tile-packed weight needs "
+                "it (the platform packs none where half_linear_takes_tiles() is false)");
 #endif
   }
   TORCH_CHECK(weight.size(1) == x.size(1), "half_linear: x has ", x.size(1), " features, weight ", weight.size(1));
@@ -999,6 +1094,7 @@ TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("int4_linear(Tensor x, Tensor packed, Tensor scales, Tensor offsets) -> Tensor");
   m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("half_linear_on_amx() -> bool", &half_linear_on_amx);
+  m.def("half_linear_takes_tiles() -> bool", &half_linear_takes_tiles);
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {

@@ -133,7 +133,8 @@ class HalfWeight:
     avx512_bf16 or AMX) that GEMM reads a small step's weights below the memory's rate; either way small steps
     take a kernel that reads this one instead, as quantised weights' small steps do (platform.half_max_rows).
 
-    weight is [out, in] as it is, or, for the AMX kernel, packed into tiles (tile_half_weight: 5-D)."""
+    weight is [out, in] as it is, or, for the tile kernels (AMX, or vdpbf16ps without it), packed into tiles
+    (tile_half_weight: 5-D)."""
 
     weight: torch.Tensor
 

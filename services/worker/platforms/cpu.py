@@ -26,7 +26,7 @@ ONEDNN_FP32_COPIES = "onednn-fp32-copies"
 ONEDNN_HALF = "onednn-half"
 ONEDNN_HALF_AMX = "onednn-half-amx"
 ATEN_HALF = "aten-half"
-# The suffix of SMALL_STEP_MAX_ROWS' weights key for half weights packed into AMX tiles.
+# The suffix of SMALL_STEP_MAX_ROWS' weights key for half weights packed into tiles (half_linear_takes_tiles).
 TILES = " tiles"
 # Rows up to which a native small-step kernel beats that GEMM, keyed by the weights the kernel reads
 # ("quantized": int8 and GGUF's 4-bit blocks; "bfloat16"/"float16": an unquantised model's own weights,
@@ -47,6 +47,10 @@ TILES = " tiles"
 # - bf16 weights packed into AMX tiles (TILES; NativeCpuOps.half_weight) against oneDNN's AMX GEMM: a SmolLM2
 #   step's matmuls (benchmarks.step_matmuls) at 1 / 8 / 32 / 64 / 128 rows took 9.5 / 9.7 / 12.0 / 18.4 / 27.3 ms
 #   against 14.8 / 14.5 / 17.8 / 20.7 / 29.0, and lost at 256 (52.4 against 42.4).
+# - bf16 weights packed into tiles on an AVX512-BF16 CPU without AMX (half_linear's vdpbf16ps tile path) against
+#   oneDNN's avx512_bf16 GEMM, which reorders the weights every call: on the Zen 4 EPYC at 1 / 8 / 16 / 32 / 64 /
+#   128 / 256 / 512 rows 9.4 / 10.4 / 14.9 / 27.1 / 43.0 / 81.7 / 156.8 / 337.4 ms against 15.6 / 16.0 / 20.4 /
+#   31.8 / 50.3 / 89.9 / 169.9 / 353.3 (not measured past 512, where prefill chunks keep oneDNN).
 SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", MKL_FP32): 8,
     ("quantized", ONEDNN_FP32_COPIES): 8,
@@ -58,6 +62,7 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("bfloat16", ONEDNN_HALF_AMX): 1,
     ("bfloat16" + TILES, ONEDNN_HALF_AMX): 128,
     ("bfloat16", ONEDNN_HALF): 4,
+    ("bfloat16" + TILES, ONEDNN_HALF): 512,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel's vdpbf16ps path on a chunk of this many causal query-key pairs and more
@@ -93,7 +98,7 @@ def cpu_ops(kernels: str = "auto") -> Ops:
     return NativeCpuOps(
         attention.HND,
         sdpa_prefill_pairs=_sdpa_prefill_pairs(),
-        half_tiles=bool(torch.ops.meshserve_cpu.half_linear_on_amx()),
+        half_tiles=bool(torch.ops.meshserve_cpu.half_linear_takes_tiles()),
     )
 
 

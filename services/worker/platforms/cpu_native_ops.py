@@ -58,8 +58,9 @@ class NativeCpuOps(ReferenceOps):
 
     sdpa_prefill_pairs: where torch's own SDPA beats the native prefill kernel on bf16 (its flash attention
     runs on AMX tiles), the chunks of at least that many causal pairs go to it; None: every chunk native.
-    half_tiles: half_linear multiplies bf16 weights packed into AMX tiles here (half_linear_on_amx), so
-    half_weight packs every bf16 weight that falls into whole tiles.
+    half_tiles: half_linear multiplies bf16 weights packed into tiles here (half_linear_takes_tiles: on AMX
+    tiles, or by vdpbf16ps over the same layout), so half_weight packs every bf16 weight that falls into whole
+    tiles.
     """
 
     def __init__(
@@ -154,7 +155,7 @@ class NativeCpuOps(ReferenceOps):
 
     def half_linear(self, x: torch.Tensor, weight: HalfWeight) -> torch.Tensor:
         """The bf16/fp16 weight widened in registers, each vector used for every row, or bf16 by vdpbf16ps, or
-        tile-packed bf16 on AMX tiles (quantized_linear.cpp)."""
+        tile-packed bf16 on AMX tiles or by vdpbf16ps (quantized_linear.cpp)."""
         return torch.ops.meshserve_cpu.half_linear(x, weight.weight)
 
     def reshape_and_cache(

@@ -426,14 +426,15 @@ def test_half_linear_matches_the_widened_reference(
     _ulp_close(native.half_linear(x, weight), quantized_linear_reference(x, weight))
 
 
-def _half_linear_on_amx() -> bool:
+def _half_linear_takes_tiles() -> bool:
     loader.load()
-    return bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+    return bool(torch.ops.meshserve_cpu.half_linear_takes_tiles())
 
 
-requires_amx_tiles = pytest.mark.skipif(
-    not _half_linear_on_amx(),
-    reason="half_linear's tile path needs a CPU with AMX and a kernel library built for it",
+# On AMX tiles where the library and the process have them, else by vdpbf16ps over the same layout.
+requires_tiles = pytest.mark.skipif(
+    not _half_linear_takes_tiles(),
+    reason="half_linear's tile paths need a CPU with AVX512-BF16 (or AMX) and a kernel library built for it",
 )
 
 
@@ -447,10 +448,11 @@ def test_a_tile_packed_half_weight_dequantises_to_the_weight_it_was_packed_from(
             tile_half_weight(torch.zeros(shape, dtype=dtype))
 
 
-@requires_amx_tiles
-# One row to a first chunk of two A tiles (16 | 17 rows), 32 rows, and past a chunk (33, 70: x padded to chunks
-# of 32); an odd count of 16-row weight tiles (48 and 80 outputs) ends in a pair of one; 1,536 columns is
-# SmolLM2's down projection.
+@requires_tiles
+# AMX: one row to a first chunk of two A tiles (16 | 17 rows), 32 rows, and past a chunk (33, 70: x padded to
+# chunks of 32); an odd count of 16-row weight tiles (48 and 80 outputs) ends in a pair of one. vdpbf16ps: blocks
+# of 8 rows and a remainder, groups of 3 tile columns and a remainder of 1 or 2. 1,536 columns is SmolLM2's down
+# projection.
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
     (1, 96, 576), (3, 48, 64), (16, 80, 96), (17, 96, 576), (32, 64, 1536), (33, 48, 32), (70, 96, 576),
 ])  # fmt: skip
@@ -465,7 +467,7 @@ def test_half_linear_on_tiles_matches_the_widened_reference(
     _ulp_close(native.half_linear(x, tiled), quantized_linear_reference(x, HalfWeight(dense)))
 
 
-@requires_amx_tiles
+@requires_tiles
 def test_half_linear_rows_on_tiles_do_not_depend_on_their_batch() -> None:
     # As on the plain weight: one row alone, 20 rows in one or two A tiles, and 70 rows in padded chunks of 32
     # give every row the same bits.
@@ -489,7 +491,9 @@ def test_the_op_table_packs_half_weights_into_tiles_only_where_its_kernel_multip
     assert not tiles.half_weight(torch.randn(40, 64).bfloat16()).tiled
     assert not tiles.half_weight(torch.randn(48, 64).half()).tiled
     table = cpu_ops("native")
-    assert isinstance(table, NativeCpuOps) and table.half_tiles is bool(torch.ops.meshserve_cpu.half_linear_on_amx())
+    assert isinstance(table, NativeCpuOps)
+    assert table.half_tiles is bool(torch.ops.meshserve_cpu.half_linear_takes_tiles())
+    assert torch.ops.meshserve_cpu.half_linear_takes_tiles() is (loader.isa()[0] in loader.BF16_DOT_BUILDS)
     assert torch.ops.meshserve_cpu.half_linear_on_amx() is (loader.isa()[0] == "avx512_amx")
 
 

@@ -193,13 +193,13 @@ def test_half_weights_take_small_steps_where_the_gemm_would_widen_them_or_read_f
     # Where the packed GEMM widens, the kernel reads half the bytes up to 16 rows.
     monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: torch.float32)
     assert native.half_max_rows(torch.bfloat16) == native.half_max_rows(torch.float16) == 16
-    # A native bf16 GEMM: the vdpbf16ps path for the smallest steps, one row against oneDNN's AMX GEMM, and
-    # weights packed into tiles up to 128 rows there; fp16 has no such path (its widening one would lose to a
-    # native fp16 GEMM). Both builds with vdpbf16ps count, the AMX one too.
+    # A native bf16 GEMM: the vdpbf16ps path for the smallest steps, one row against oneDNN's AMX GEMM; weights
+    # packed into tiles up to 128 rows there and up to 512 against oneDNN's avx512_bf16 GEMM; fp16 has no such
+    # path (its widening one would lose to a native fp16 GEMM). Both builds with vdpbf16ps count, the AMX one too.
     monkeypatch.setattr(native, "matmul_pack_dtype", lambda dtype: dtype)
     for build in ("avx512_bf16", "avx512_amx"):
         monkeypatch.setattr(cpu.loader, "isa", lambda build=build: (build, []))
-        for amx, rows, tiled_rows in ((True, 1, 128), (False, 4, 0)):
+        for amx, rows, tiled_rows in ((True, 1, 128), (False, 4, 512)):
             monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda amx=amx: amx)
             assert native.half_max_rows(torch.bfloat16) == rows
             assert native.half_max_rows(torch.bfloat16, tiled=True) == tiled_rows
