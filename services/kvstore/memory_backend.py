@@ -1,16 +1,21 @@
 """Blocks in this process's memory: least recently used goes first when a byte budget is reached.
 
-The values lie in a ValueArena of the budget's size (value_arena.py says why), which the backend can
-populate ahead of use (--reserve-memory)."""
+The values lie in a ValueArena of the budget's size (value_arena.py says why), which the backend populates
+before the store serves (--reserve-memory)."""
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+
+import structlog
 
 from services.kvstore.backend import BackendStats, PutOutcome, ValueParts
 from services.kvstore.settings import MAX_CACHED_FORMATS
 from services.kvstore.value_arena import ValueArena
+
+log = structlog.get_logger()
 
 
 class MemoryBackend:
@@ -20,11 +25,18 @@ class MemoryBackend:
         self, capacity_bytes: int, on_evict: Callable[[int], None] | None = None, reserve: bool = False
     ) -> None:
         """on_evict(n) is told each time n values are evicted, for the metrics; reserve: populate the whole
-        budget in the background from the start."""
+        budget now (blocking: before the store serves)."""
         self.capacity_bytes = capacity_bytes
         self.arena = ValueArena(capacity_bytes)
         if reserve:
-            self.arena.start_populating()
+            started = time.monotonic()
+            populated = self.arena.populate()
+            log.info(
+                "kvstore_memory_reserved",
+                bytes=self.arena.populated_bytes,
+                complete=populated,
+                seconds=round(time.monotonic() - started, 3),
+            )
         # Each value's (offset, length) in the arena, least recently used first.
         self._values: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self._bytes_used = 0

@@ -54,9 +54,9 @@ class KVStoreSettings(ServiceSettings):
     capacity: str = Field("4GiB", description="byte budget of the memory backend (e.g. 512MiB, 4GiB)")
     reserve_memory: bool = Field(
         True,
-        description="the memory backend takes its whole --capacity from the start, page by page on a "
-        "lowest-priority thread, so that storing a block copies it into memory the process has rather than "
-        "faulting in ~90 new pages a block on the cores the workers use; off: memory is taken as blocks arrive",
+        description="the memory backend takes its whole --capacity at start, before it serves, so that storing "
+        "a block copies it into memory the process has rather than faulting in ~90 new pages a block on the "
+        "cores the workers use; off: memory is taken as blocks arrive",
     )
     redis_max_connections: int = Field(16, description="connections in the Redis pool", ge=1)
     ttl_seconds: int = Field(0, description="expiry of blocks written to Redis (0: none)", ge=0)

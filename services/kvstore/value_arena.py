@@ -4,8 +4,8 @@ Storing a block in a `bytes` of its own costs more than copying it: the 368 KiB 
 ~90 pages that are new to the process, and each first touch is a page fault (2-10 us apiece under a
 hypervisor, ~0.2-0.9 ms a block against ~0.03 ms for the copy), paid on the cores the worker's forward
 shares. Here every value is copied into an extent of one anonymous mapping, an evicted value's extent is
-reused, and `populate` can fault the whole mapping in ahead of use (MADV_POPULATE_WRITE, which never
-changes a byte, so it may run beside writes), so a block stored is a copy and nothing more.
+reused, and `populate` faults the whole mapping in before the store serves (MADV_POPULATE_WRITE), so a
+block stored is a copy and nothing more.
 
 Extents are first fit over the free ones sorted by offset, coalesced with their neighbours when freed;
 values of one KV format all have one size, so a freed extent fits the next value exactly.
@@ -14,12 +14,9 @@ values of one KV format all have one size, so a freed extent fits the next value
 from __future__ import annotations
 
 import bisect
-import contextlib
 import ctypes
 import ctypes.util
 import mmap
-import os
-import threading
 from collections.abc import Sequence
 
 import structlog
@@ -31,7 +28,7 @@ log = structlog.get_logger()
 
 # Linux 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = 23
-# One madvise call's share of populating (tens of ms): close waits for at most one.
+# One madvise call's share of populating.
 POPULATE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
@@ -95,8 +92,6 @@ class ValueArena:
         self._view = memoryview(self._mapping)
         self._extents = ExtentAllocator(capacity)
         self._populated = 0
-        self._populator: threading.Thread | None = None
-        self._stop = threading.Event()
 
     def write(self, parts: Sequence[Buffer]) -> int | None:
         """Copy the concatenation of parts into a new extent: its offset, or None if none is free that long."""
@@ -120,36 +115,32 @@ class ValueArena:
 
     @property
     def populated_bytes(self) -> int:
-        """How much of the mapping has been faulted in ahead of use so far."""
+        """How much of the mapping has been faulted in ahead of use."""
         return self._populated
 
-    def start_populating(self) -> None:
-        """Fault the whole mapping in on a thread of the lowest priority, so it takes only idle CPU."""
-        if self._populator is None:
-            self._populator = threading.Thread(target=self._populate, name="kvstore-populate", daemon=True)
-            self._populator.start()
+    def populate(self) -> bool:
+        """Fault the whole mapping in, a chunk per madvise (a ctypes call: without the GIL); False where the
+        kernel cannot (before Linux 5.14: pages are then faulted in as values arrive).
 
-    def _populate(self) -> None:
-        with contextlib.suppress(AttributeError, OSError):  # SCHED_IDLE is Linux's; elsewhere, normal priority
-            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: this thread
+        Run before the store serves, not beside it: madvise holds the process's mmap lock for its chunk, and
+        every mmap of the serving thread (Python's and gRPC's allocations) would wait on it, the longer if a
+        lower-priority populating thread were preempted while holding it."""
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        anchor = ctypes.c_char.from_buffer(self._mapping)  # an export: the mapping stays until this thread ends
+        anchor = ctypes.c_char.from_buffer(self._mapping)  # an export: the mapping cannot close meanwhile
         base = ctypes.addressof(anchor)
-        # madvise runs without the GIL (a ctypes call), a chunk at a time so that close waits little.
-        while self._populated < self.capacity and not self._stop.is_set():
-            length = min(POPULATE_CHUNK_BYTES, self.capacity - self._populated)
-            if libc.madvise(base + self._populated, length, _MADV_POPULATE_WRITE) != 0:
-                # Before Linux 5.14 (EINVAL) pages are simply faulted in as values arrive.
-                log.info("kvstore memory not populated ahead", errno=ctypes.get_errno(), populated=self._populated)
-                break
-            self._populated += length
-        del anchor
+        try:
+            while self._populated < self.capacity:
+                length = min(POPULATE_CHUNK_BYTES, self.capacity - self._populated)
+                if libc.madvise(base + self._populated, length, _MADV_POPULATE_WRITE) != 0:
+                    log.info("kvstore_memory_not_reserved", errno=ctypes.get_errno(), populated=self._populated)
+                    return False
+                self._populated += length
+        finally:
+            del anchor
+        return True
 
     def close(self) -> None:
-        """Stop populating and unmap (every value is gone)."""
-        self._stop.set()
-        if self._populator is not None:
-            self._populator.join()
+        """Unmap (every value is gone)."""
         self._view.release()
         self._mapping.close()
