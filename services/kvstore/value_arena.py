@@ -36,7 +36,6 @@ class ExtentAllocator:
     """Free extents of [0, size): first fit, coalesced on free."""
 
     def __init__(self, size: int) -> None:
-        self.size = size
         # Starts of the free extents in order, and each one's length.
         self._starts: list[int] = [0] if size else []
         self._lengths: dict[int, int] = {0: size} if size else {}
