@@ -360,7 +360,14 @@ class ModelRunner:
                     "the CPU with the native kernels: leave --cpu-kernels at auto or native); drop --quantization"
                 )
             if quantization == "int8":
-                quantize_matmuls(model.matmul_modules(), self.platform.ops.quantized_kernel, max_rows)
+                # Packed into tiles where the op table's kernel multiplies on them, which may win more rows.
+                ops, platform, compute = self.platform.ops, self.platform, self.precision.compute
+                quantize_matmuls(
+                    model.matmul_modules(),
+                    ops.quantized_kernel,
+                    lambda weight: platform.quantized_max_rows(compute, tiled=weight.tiled),
+                    lambda weight: ops.int8_weight(weight, compute),
+                )
             else:
                 self._attach_gguf_blocks(model, hf_config, source, max_rows)
         elif self.platform.half_max_rows(self.precision.compute) > 0:

@@ -39,6 +39,7 @@ from services.worker.layers.quantization import (
     quantize_int4,
     quantize_int8,
     tile_half_weight,
+    tile_int8_weight,
 )
 from services.worker.platforms.cpu import CpuPlatform
 
@@ -57,10 +58,11 @@ class Matmul:
     tiles: torch.Tensor | None
     packed_bf16: torch.Tensor
     int8: Int8Weight
+    int8_tiles: Int8Weight | None
     gguf: Int8Weight | Int4Weight
 
 
-def build(rows_hint: int, pack_dtype: torch.dtype, tiles: bool) -> list[Matmul]:
+def build(rows_hint: int, pack_dtype: torch.dtype, tiles: bool, int8_tiles: bool) -> list[Matmul]:
     torch.manual_seed(0)
     shapes = [shape for _ in range(LAYERS) for shape in LAYER_SHAPES] + [LM_HEAD]
     step = []
@@ -74,6 +76,7 @@ def build(rows_hint: int, pack_dtype: torch.dtype, tiles: bool) -> list[Matmul]:
                 tile_half_weight(weight.bfloat16()) if tiles else None,
                 torch.ops.mkldnn._reorder_linear_weight(weight.bfloat16().to(pack_dtype), rows_hint),
                 quantize_int8(weight),
+                tile_int8_weight(quantize_int8(weight)) if int8_tiles else None,
                 quantize_int8(weight, group_size=32) if is_head else quantize_int4(weight),
             )
         )
@@ -92,6 +95,9 @@ def _run(step: list[Matmul], path: str, inputs: dict[int, torch.Tensor]) -> None
             torch.ops.meshserve_cpu.half_linear(x, m.tiles)
         elif path == "int8":
             torch.ops.meshserve_cpu.int8_linear(x, m.int8.qweight, m.int8.scales)
+        elif path == "int8-tiles":
+            assert m.int8_tiles is not None
+            torch.ops.meshserve_cpu.int8_linear(x, m.int8_tiles.qweight, m.int8_tiles.scales)
         elif isinstance(m.gguf, Int4Weight):
             torch.ops.meshserve_cpu.int4_linear(x, m.gguf.packed, m.gguf.scales, m.gguf.offsets)
         else:
@@ -102,12 +108,14 @@ def measure(rows: list[int], repeats: int) -> dict[str, object]:
     loader.load()
     pack_dtype = CpuPlatform(kernels="native").matmul_pack_dtype(torch.bfloat16) or torch.bfloat16
     tiles = bool(torch.ops.meshserve_cpu.half_linear_takes_tiles())
-    step = build(rows_hint=32, pack_dtype=pack_dtype, tiles=tiles)
+    int8_tiles = bool(torch.ops.meshserve_cpu.int8_linear_takes_tiles())
+    step = build(rows_hint=32, pack_dtype=pack_dtype, tiles=tiles, int8_tiles=int8_tiles)
     nbytes = {
         "bf16": sum(m.packed_bf16.numel() * pack_dtype.itemsize for m in step),
         "half": sum(m.bf16.numel() * 2 for m in step),
         **({"tiles": sum(m.bf16.numel() * 2 for m in step)} if tiles else {}),
         "int8": sum(m.int8.nbytes for m in step),
+        **({"int8-tiles": sum(m.int8.nbytes for m in step)} if int8_tiles else {}),
         "gguf": sum(m.gguf.nbytes for m in step),
     }
     results = []
@@ -130,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     report = measure(args.rows, args.repeats)
     print(json.dumps({k: v for k, v in report.items() if k != "results"}, indent=2))
-    paths = [path for path in ("bf16", "half", "tiles", "int8", "gguf") if path in report["bytes"]]  # type: ignore[operator]
+    paths = [path for path in ("bf16", "half", "tiles", "int8", "int8-tiles", "gguf") if path in report["bytes"]]  # type: ignore[operator]
     others = paths[1:]
     header = [f"{p} ms" for p in paths] + [f"{p} / bf16" for p in others]
     print("\n| rows | " + " | ".join(header) + " |")

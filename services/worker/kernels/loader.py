@@ -38,8 +38,9 @@ _X86_ISA_FLAGS = {
     "AVX2": ["-DCPU_CAPABILITY_AVX2", "-mavx2", "-mfma", "-mf16c"],
 }
 # On an AVX512 CPU with AVX512-BF16 (Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and later EPYCs) the
-# prefill attention takes its bf16 dot products (vdpbf16ps); the build is its own ISA, cached apart.
-_AVX512_BF16_FLAGS = ["-mavx512bf16"]
+# prefill attention takes its bf16 dot products (vdpbf16ps); the build is its own ISA, cached apart. Every such
+# CPU has AVX512-VNNI too, which the int8 tile kernel's integer products take (vpdpwssd).
+_AVX512_BF16_FLAGS = ["-mavx512bf16", "-mavx512vnni"]
 # With AMX tiles too (Sapphire Rapids and later Xeons) the prefill attention multiplies on the tiles.
 _AMX_FLAGS = ["-mamx-tile", "-mamx-bf16"]
 _BASE_FLAGS = ["-O3", "-fopenmp"]

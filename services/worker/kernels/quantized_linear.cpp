@@ -276,14 +276,13 @@ constexpr int64_t kIntVector = 16;
 
 // x's one row rounded (half to even) to int16 with scale max|x| / kXLevels, into a buffer the calling thread
 // keeps; false where x holds inf or NaN. The scale is 0 (and every code 0) for an all-zero row.
-inline bool round_row(const float* x, int64_t k_size, std::vector<int16_t>& codes, float& scale) {
+inline bool round_row_to(const float* x, int64_t k_size, int16_t* codes, float& scale) {
   float amax = 0.f, poison = 0.f;
   for (int64_t k = 0; k < k_size; ++k) {
     amax = std::max(amax, std::fabs(x[k]));
     poison += x[k] * 0.f;  // NaN once any element is inf or NaN (a comparison would skip a NaN)
   }
   if (!std::isfinite(amax) || std::isnan(poison)) return false;
-  codes.resize(k_size);
   scale = amax / static_cast<float>(kXLevels);
   const float inv = amax > 0.f ? static_cast<float>(kXLevels) / amax : 0.f;
   int64_t k = 0;
@@ -292,11 +291,16 @@ inline bool round_row(const float* x, int64_t k_size, std::vector<int16_t>& code
   for (; k + 8 <= k_size; k += 8) {
     const __m256i rounded = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + k), inv_v));
     const __m128i packed = _mm_packs_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes.data() + k), packed);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + k), packed);
   }
 #endif
   for (; k < k_size; ++k) codes[k] = static_cast<int16_t>(std::nearbyint(x[k] * inv));
   return true;
+}
+
+inline bool round_row(const float* x, int64_t k_size, std::vector<int16_t>& codes, float& scale) {
+  codes.resize(k_size);
+  return round_row_to(x, k_size, codes.data(), scale);
 }
 
 // x_scale * scale * sum_k codes[k] * w[k] for one int8 weight row: the sums exact in int32 within each span,
@@ -346,6 +350,134 @@ inline float int_dot_row(const int16_t* codes, int64_t k_size, const int8_t* w, 
   return (total + static_cast<float>(tail)) * x_scale * scale;
 }
 
+// ------------------------------------------------------------------------------- int8 weights in tiles
+
+#if defined(CPU_CAPABILITY_AVX512)
+// int8 weights (one scale a row) packed as the bf16 tiles are ([N/16, K/32, 16, 16, 2], int8): row p of tile
+// (nb, kb) holds 16 weight rows' columns kb*32 + 2p and + 1, so one 32-byte load, widened to int16, is 16 outputs'
+// pair of columns, and vpdpwssd (vpmaddwd and vpaddd without VNNI) adds its products with a broadcast pair of x's
+// int16 codes into 16 outputs' integer sums at once: no horizontal sum per output, and each weight vector read once
+// for a block of rows. The plain layout's one-row path (int_dot_row) read a SmolLM2 step's 135 MB at ~17 GB/s on
+// the AMX Xeon where the bf16 tiles read at ~25, and its larger steps widened every weight to float per 4 rows
+// (docs/benchmarks.md). Every row of x is rounded to int16 codes (round_row's rounding), so a row's output is
+// the same integer sums whatever its batch.
+// 16-output tile columns a pass multiplies at once, and rows of x, in the tile kernels without AMX (int8 here,
+// bf16 by vdpbf16ps below): 3 x 8 blocks of 16 sums, 3 weight vectors and a broadcast fill 28 of the 32 vector
+// registers, and each broadcast of x feeds three products.
+constexpr int64_t kDotTileGroup = 3, kDotTileRows = 8;
+// Column pairs summed in int32 before the sums are widened to float: a vpdpwssd adds at most 2 * 128 * 32767
+// (8,388,352) to a lane, 256 of them at most 2,147,418,112 < 2^31.
+constexpr int64_t kInt8TileSpanPairs = 256;
+// Bytes asked for ahead of the pair row being multiplied, in each tile column a pass reads (the bf16 tiles' 4 KB).
+constexpr int64_t kInt8TilePrefetchBytes = 4096;
+
+// acc[r][b * 16 + i] += sum over column pairs of codes[r] . tile column b's output i, for ROWS rows of codes (row
+// stride k_size) and NB consecutive 16-output tile columns (w: the first one's [K/32, 16, 16, 2] int8, tile_bytes
+// apart). Each output's integer sums run over the pairs in order and are widened once a span, whatever ROWS and NB.
+template <int64_t ROWS, int64_t NB>
+inline void int8_dot_tiles(const int16_t* codes, int64_t k_size, const int8_t* w, int64_t tile_bytes, float* acc) {
+  const int64_t pairs = k_size / 2;  // a multiple of 16 (whole tiles)
+  for (int64_t p0 = 0; p0 < pairs; p0 += kInt8TileSpanPairs) {
+    const int64_t p1 = std::min(pairs, p0 + kInt8TileSpanPairs);
+    __m512i sums[ROWS][NB];
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t b = 0; b < NB; ++b) sums[r][b] = _mm512_setzero_si512();
+    for (int64_t kp = p0; kp < p1; kp += 2) {
+      // Two pair rows of 32 bytes: one cache line of each tile column.
+      for (int64_t b = 0; b < NB; ++b)
+        _mm_prefetch(reinterpret_cast<const char*>(w + b * tile_bytes + kp * 32 + kInt8TilePrefetchBytes), _MM_HINT_T0);
+      for (int64_t h = 0; h < 2; ++h) {
+        __m512i wv[NB];
+        for (int64_t b = 0; b < NB; ++b)
+          wv[b] = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + b * tile_bytes + (kp + h) * 32)));
+        for (int64_t r = 0; r < ROWS; ++r) {
+          int32_t pair;
+          std::memcpy(&pair, codes + r * k_size + 2 * (kp + h), sizeof(pair));
+          const __m512i xv = _mm512_set1_epi32(pair);
+          for (int64_t b = 0; b < NB; ++b) {
+#if defined(__AVX512VNNI__)
+            sums[r][b] = _mm512_dpwssd_epi32(sums[r][b], xv, wv[b]);
+#else
+            sums[r][b] = _mm512_add_epi32(sums[r][b], _mm512_madd_epi16(xv, wv[b]));
+#endif
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+      for (int64_t b = 0; b < NB; ++b) {
+        float* a = acc + (r * NB + b) * 16;
+        _mm512_storeu_ps(a, _mm512_add_ps(_mm512_loadu_ps(a), _mm512_cvtepi32_ps(sums[r][b])));
+      }
+  }
+}
+
+// int8_linear's body for bf16 or fp16 x and a tile-packed int8 weight with one scale a row: x's rows rounded to
+// int16 codes, then groups of kDotTileGroup tile columns split over the threads and, in each, blocks of
+// kDotTileRows rows (3 x 8 blocks of 16 integer sums, 3 weight vectors and a broadcast: 28 of the 32 registers), the
+// group's weights (48 x K bytes) reused from cache after the first block. A row of x that holds inf or NaN has no
+// codes: its outputs are NaN.
+void int8_linear_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::Tensor& scales, at::Tensor& out) {
+  const int64_t rows = x.size(0), k_size = x.size(1), n_tiles = tiles.size(0);
+  const int64_t n_size = n_tiles * 16, tile_bytes = 16 * k_size;
+  const at::Tensor xc = x.contiguous();
+  const FloatRows xf = float_rows(xc);
+  thread_local std::vector<int16_t> codes;
+  thread_local std::vector<float> x_scales;
+  codes.resize(rows * k_size);
+  x_scales.resize(rows);
+  for (int64_t r = 0; r < rows; ++r)
+    if (!round_row_to(xf.data + r * k_size, k_size, codes.data() + r * k_size, x_scales[r]))
+      x_scales[r] = std::numeric_limits<float>::quiet_NaN();
+  const int16_t* cp = codes.data();
+  const float* xs = x_scales.data();
+  const int8_t* wp = tiles.data_ptr<int8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const int64_t groups = (n_tiles + kDotTileGroup - 1) / kDotTileGroup;
+  dispatch_dtype(x.scalar_type(), "int8_linear", [&]<typename scalar_t>() {
+    scalar_t* yp = out.data_ptr<scalar_t>();
+    at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
+      alignas(64) float acc[kDotTileRows * kDotTileGroup * 16];
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t t0 = g * kDotTileGroup, nb = std::min(kDotTileGroup, n_tiles - t0);
+        const int8_t* w = wp + t0 * tile_bytes;
+        for (int64_t r = 0; r < rows; r += kDotTileRows) {
+          const int64_t block = std::min(kDotTileRows, rows - r);
+          std::fill(acc, acc + block * nb * 16, 0.f);
+          const int16_t* cr = cp + r * k_size;
+          with_rows<kDotTileRows>(block, "int8_linear_tiles", [&]<int64_t R>() {
+            if (nb == 3) {
+              int8_dot_tiles<R, 3>(cr, k_size, w, tile_bytes, acc);
+            } else if (nb == 2) {
+              int8_dot_tiles<R, 2>(cr, k_size, w, tile_bytes, acc);
+            } else {
+              int8_dot_tiles<R, 1>(cr, k_size, w, tile_bytes, acc);
+            }
+          });
+          // As int_dot_row: the exact sums times x's scale, then the weight row's, rounded once to x's dtype.
+          for (int64_t i = 0; i < block; ++i) {
+            const float x_scale = xs[r + i];
+            scalar_t* y = yp + (r + i) * n_size + t0 * 16;
+            const float* a = acc + i * nb * 16;
+            for (int64_t c = 0; c < nb * 16; ++c) y[c] = static_cast<scalar_t>(a[c] * x_scale * sp[t0 * 16 + c]);
+          }
+        }
+      }
+    });
+  });
+}
+#endif
+
+// Whether int8_linear takes tile-packed int8 weights here (an AVX-512 build). The platform packs an int8 model's
+// weights of one scale a row into tiles only where it does, and for bf16 or fp16 compute (platforms/cpu_native_ops.py).
+bool int8_linear_takes_tiles() {
+#if defined(CPU_CAPABILITY_AVX512)
+  return true;
+#else
+  return false;
+#endif
+}
+
 // y[M, N] = x[M, K] W^T with W[n, k] = q[n, k] * scales[n, k / group]: float32 accumulation, each output
 // rounded once to x's dtype, as a half-precision GEMM with float32 accumulation rounds (the reference
 // dequantises and matmuls).
@@ -354,6 +486,28 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& qweight, const at:
   check_cpu(qweight, "qweight");
   check_cpu(scales, "scales");
   TORCH_CHECK(x.dim() == 2, "int8_linear: x must be 2-D [rows, in_features]");
+  if (qweight.dim() == 5) {
+    // Tile-packed [N/16, K/32, 16, 16, 2] (int8_linear_takes_tiles), one scale a row, half-precision x.
+    TORCH_CHECK(qweight.scalar_type() == at::kChar && qweight.size(2) == 16 && qweight.size(3) == 16 &&
+                    qweight.size(4) == 2 && qweight.is_contiguous(),
+                "int8_linear: a tile-packed qweight must be contiguous int8 [out/16, in/32, 16, 16, 2]");
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                "int8_linear: a tile-packed qweight takes bfloat16 or float16 x, got ", x.scalar_type());
+    TORCH_CHECK(qweight.size(1) * 32 == x.size(1), "int8_linear: x has ", x.size(1), " features, the tiles ",
+                qweight.size(1) * 32);
+    TORCH_CHECK(scales.dim() == 2 && scales.size(0) == qweight.size(0) * 16 && scales.size(1) == 1 &&
+                    scales.scalar_type() == at::kFloat && scales.is_contiguous(),
+                "int8_linear: a tile-packed qweight takes contiguous float32 scales [out, 1]");
+    at::Tensor out = at::empty({x.size(0), qweight.size(0) * 16}, x.options());
+    if (x.size(0) == 0) return out;
+#if defined(CPU_CAPABILITY_AVX512)
+    int8_linear_tiles(x, qweight, scales, out);
+    return out;
+#else
+    TORCH_CHECK(false, "int8_linear: this kernel library was built without AVX-512; a tile-packed qweight needs it "
+                "(the platform packs none where int8_linear_takes_tiles() is false)");
+#endif
+  }
   TORCH_CHECK(qweight.dim() == 2 && qweight.scalar_type() == at::kChar, "int8_linear: qweight must be int8 [out, in]");
   TORCH_CHECK(qweight.size(1) == x.size(1), "int8_linear: x has ", x.size(1), " features, qweight ", qweight.size(1));
   TORCH_CHECK(scales.dim() == 2 && scales.size(0) == qweight.size(0) && scales.scalar_type() == at::kFloat,
@@ -569,9 +723,7 @@ void half_linear_bf16(const at::Tensor& x, const at::Tensor& w, at::Tensor& out)
 // again every 8 rows. oneDNN's avx512_bf16 GEMM reorders the weights on every call, which costs
 // a decode step of a few dozen rows as much as the arithmetic (a SmolLM2 step's matmuls on the Zen 4 EPYC at
 // 1 / 32 / 64 rows: oneDNN 14.9 / 29.7 / 57.4 ms; docs/benchmarks.md).
-// 16-output tile columns a pass multiplies at once, and rows of x: 3 x 8 blocks of 16 sums, 3 weight vectors and
-// a broadcast fill 28 of the 32 vector registers, and each broadcast of x feeds three vdpbf16ps.
-constexpr int64_t kDotTileGroup = 3, kDotTileRows = 8;
+// (kDotTileGroup and kDotTileRows: with the int8 tiles above.)
 // Weight rows (64 bytes: a pair of columns for a tile's 16 outputs) asked for ahead of the one multiplied, in
 // each tile column a pass reads: 4 KB. SmolLM2's matmuls at 1 / 4 / 32 rows on the Zen 4 EPYC, 16 ahead:
 // 8.7 / 9.6 / 20.8 ms; 32: 7.2 / 7.6 / 18.8; 64: 7.2 / 7.8 / 19.2; 128: 7.3 / 7.8 / 19.1 (the fastest of 7).
@@ -1095,6 +1247,7 @@ TORCH_LIBRARY_FRAGMENT(meshserve_cpu, m) {
   m.def("half_linear(Tensor x, Tensor weight) -> Tensor");
   m.def("half_linear_on_amx() -> bool", &half_linear_on_amx);
   m.def("half_linear_takes_tiles() -> bool", &half_linear_takes_tiles);
+  m.def("int8_linear_takes_tiles() -> bool", &int8_linear_takes_tiles);
 }
 
 TORCH_LIBRARY_IMPL(meshserve_cpu, CPU, m) {

@@ -18,6 +18,7 @@ from services.worker.layers.decode_stack import StackLinear
 from services.worker.layers.dtypes import to_dtype
 from services.worker.layers.quantization import (
     HalfWeight,
+    Int8Weight,
     KernelBinder,
     QuantizedMatmul,
     QuantizedWeight,
@@ -281,13 +282,21 @@ def pack_linears(
             module.weight = nn.Parameter(module.weight.new_empty(0), requires_grad=False)
 
 
-def quantize_matmuls(modules: Iterable[MatmulModule], bind: KernelBinder, max_rows: int) -> None:
-    """Give each linear (and the LM head) an int8 copy of its weight, run by its bound kernel for steps of up to
-    max_rows rows. Run before pack_linears, which may drop the plain weight it packs."""
-    if max_rows < 1:
-        raise ValueError(f"int8 max_rows must be >= 1, got {max_rows}")
+def quantize_matmuls(
+    modules: Iterable[MatmulModule],
+    bind: KernelBinder,
+    max_rows: Callable[[Int8Weight], int],
+    int8_weight: Callable[[Int8Weight], Int8Weight] = lambda weight: weight,
+) -> None:
+    """Give each linear (and the LM head) an int8 copy of its weight as the op table lays it out (int8_weight), run
+    by its bound kernel for steps of up to max_rows(weight) rows. Run before pack_linears, which may drop the plain
+    weight it packs."""
     for module in modules:
-        module.quantized = QuantizedMatmul(quantize_int8(module.weight), bind, max_rows)
+        weight = int8_weight(quantize_int8(module.weight))
+        rows = max_rows(weight)
+        if rows < 1:
+            raise ValueError(f"int8 max_rows must be >= 1, got {rows}")
+        module.quantized = QuantizedMatmul(weight, bind, rows)
 
 
 def attach_half_weights(

@@ -1,8 +1,9 @@
 """Weight-only int8 (`--quantization int8`): each linear's weight rounded to int8 with one float32 scale
-per output row (torchao's int8 weight-only), activations left in the compute dtype (W8A16) -- except in a
-one-row step (a single decode) in bf16 or fp16, where the native kernel rounds x's row to int16 codes (a
-16-bit activation with one scale a row) so that the products run in integers: see
-int8_rounded_row_reference.
+per output row (torchao's int8 weight-only), activations left in the compute dtype (W8A16) -- except where
+the native kernel multiplies in integers: a one-row step (a single decode) in bf16 or fp16 on the plain
+layout, and every step the int8 tile kernel takes (weights packed into tiles on an AVX-512 CPU, steps of up to
+the platform's rows), where each row of x is rounded to int16 codes (a 16-bit activation with one scale a
+row): see int8_rounded_row_reference. Rounded row by row, a request's output there does not depend on its batch.
 
 Scales per group of input columns (llama.cpp's Q8_0 idea) are supported by quantize_int8 and the
 kernel, but not the default: on SmolLM2, groups of 64 took the logit error from 4.9% to 4.1% and
@@ -30,14 +31,21 @@ INT8_LEVELS = 127
 @dataclass(frozen=True)
 class Int8Weight:
     """A weight [out, in] as int8 and float32 scales [out, groups]: weight ~ qweight * scales per group
-    of in / groups consecutive columns."""
+    of in / groups consecutive columns.
+
+
+    qweight is [out, in] as it is, or, for the int8 tile kernel, packed into tiles (tile_int8_weight: 5-D)."""
 
     qweight: torch.Tensor
     scales: torch.Tensor
 
     @property
+    def tiled(self) -> bool:
+        return self.qweight.dim() == 5
+
+    @property
     def in_features(self) -> int:
-        return self.qweight.shape[1]
+        return self.qweight.shape[1] * TILE_COLUMNS if self.tiled else self.qweight.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -45,9 +53,10 @@ class Int8Weight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight the int8 values stand for, in dtype (float32 products, one rounding)."""
-        out_features, in_features = self.qweight.shape
+        codes = untile(self.qweight) if self.tiled else self.qweight
+        out_features, in_features = codes.shape
         groups = self.scales.shape[1]
-        grouped = self.qweight.float().view(out_features, groups, in_features // groups) * self.scales[:, :, None]
+        grouped = codes.float().view(out_features, groups, in_features // groups) * self.scales[:, :, None]
         return grouped.view(out_features, in_features).to(dtype)
 
 
@@ -151,29 +160,57 @@ class HalfWeight:
         return self.weight.numel() * self.weight.element_size()
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        if not self.tiled:
-            return self.weight.to(dtype)
-        n_tiles, k_tiles = self.weight.shape[:2]
-        plain = self.weight.permute(0, 3, 1, 2, 4).reshape(n_tiles * TILE_ROWS, k_tiles * TILE_COLUMNS)
-        return plain.to(dtype)
+        return (untile(self.weight) if self.tiled else self.weight).to(dtype)
+
+
+def _whole_tiles(weight: torch.Tensor) -> bool:
+    out_features, in_features = weight.shape
+    return out_features % TILE_ROWS == 0 and in_features % TILE_COLUMNS == 0
 
 
 def can_tile(weight: torch.Tensor) -> bool:
     """Whether a bf16 weight [out, in] falls into whole AMX tiles (every Llama-family shape does)."""
-    out_features, in_features = weight.shape
-    return weight.dtype == torch.bfloat16 and out_features % TILE_ROWS == 0 and in_features % TILE_COLUMNS == 0
+    return weight.dtype == torch.bfloat16 and _whole_tiles(weight)
 
 
-def tile_half_weight(weight: torch.Tensor) -> torch.Tensor:
-    """weight [out, in] (can_tile) as [out/16, in/32, 16, 16, 2]: tile (n, k) is rows n*16.. and columns k*32..
-    as 16 rows of 16 column pairs (row p holds each weight row's columns 2p and 2p + 1), the B operand of AMX's
-    bf16 tile product as it lies in memory; the tiles of 16 weight rows follow each other along the columns, so
-    a kernel streams each row block's bytes in order. A new tensor: the plain weight can be dropped."""
-    if not can_tile(weight):
-        raise ValueError(f"a {weight.dtype} weight of shape {tuple(weight.shape)} does not fall into bf16 tiles")
+def tile(weight: torch.Tensor) -> torch.Tensor:
+    """weight [out, in] (whole tiles) as [out/16, in/32, 16, 16, 2]: tile (n, k) is rows n*16.. and columns
+    k*32.. as 16 rows of 16 column pairs (row p holds each weight row's columns 2p and 2p + 1), the B operand of
+    AMX's bf16 tile product as it lies in memory, and one vector of 16 outputs' column pairs for the dot-product
+    tile kernels; the tiles of 16 weight rows follow each other along the columns, so a kernel streams each row
+    block's bytes in order. A new tensor: the plain weight can be dropped."""
     out_features, in_features = weight.shape
     tiles = weight.reshape(out_features // TILE_ROWS, TILE_ROWS, in_features // TILE_COLUMNS, TILE_COLUMNS // 2, 2)
     return tiles.permute(0, 2, 3, 1, 4).contiguous()
+
+
+def untile(tiles: torch.Tensor) -> torch.Tensor:
+    """The [out, in] weight that tile() packed into tiles."""
+    n_tiles, k_tiles = tiles.shape[:2]
+    return tiles.permute(0, 3, 1, 2, 4).reshape(n_tiles * TILE_ROWS, k_tiles * TILE_COLUMNS)
+
+
+def tile_half_weight(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 weight [out, in] (can_tile) packed into tiles (tile)."""
+    if not can_tile(weight):
+        raise ValueError(f"a {weight.dtype} weight of shape {tuple(weight.shape)} does not fall into bf16 tiles")
+    return tile(weight)
+
+
+def can_tile_int8(weight: Int8Weight) -> bool:
+    """Whether an int8 weight falls into the int8 tile kernel's layout: one scale a row, whole tiles."""
+    return not weight.tiled and weight.scales.shape[1] == 1 and _whole_tiles(weight.qweight)
+
+
+def tile_int8_weight(weight: Int8Weight) -> Int8Weight:
+    """An int8 weight of one scale a row (can_tile_int8) with its codes packed into tiles (tile): one 32-byte
+    vector is 16 outputs' pair of columns, as vpdpwssd takes them (kernels/quantized_linear.cpp)."""
+    if not can_tile_int8(weight):
+        raise ValueError(
+            f"an int8 weight of shape {tuple(weight.qweight.shape)} with {weight.scales.shape[1]} scale groups a row "
+            "does not fall into int8 tiles"
+        )
+    return Int8Weight(tile(weight.qweight), weight.scales.contiguous())
 
 
 # The weight formats a small-step kernel may hold; each has nbytes and dequantize(dtype).

@@ -106,6 +106,11 @@ class Ops(abc.ABC):
         unless a platform packs it)."""
         return HalfWeight(weight)
 
+    def int8_weight(self, weight: Int8Weight, compute_dtype: torch.dtype) -> Int8Weight:
+        """An int8 weight in the layout this table's int8_linear reads best for compute_dtype's activations (as it
+        is, unless a platform packs it)."""
+        return weight
+
     def quantized_kernel(self, weight: QuantizedWeight) -> BoundKernel:
         """The kernel for the weight's format with the weight bound (a KernelBinder: what a quantised layer's
         QuantizedMatmul runs); platforms with kernels bind theirs directly."""
@@ -182,10 +187,11 @@ class Platform(abc.ABC):
         """The dtype linear weights are reordered into once for oneDNN (layers.linear.pack_linears), or None."""
         return None
 
-    def quantized_max_rows(self, compute_dtype: torch.dtype) -> int:
+    def quantized_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:
         """Rows up to which --quantization runs a linear on its quantised weight, against the GEMM that
         compute_dtype's matmuls run on; 0: the platform has no quantised kernels worth running, so the flag
-        is refused at startup rather than quietly slower."""
+        is refused at startup rather than quietly slower. tiled: for an int8 weight the op table packed into
+        tiles (Ops.int8_weight), whose kernel may win more rows."""
         return 0
 
     def half_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:

@@ -51,6 +51,11 @@ TILES = " tiles"
 #   oneDNN's avx512_bf16 GEMM, which reorders the weights every call: on the Zen 4 EPYC at 1 / 8 / 16 / 32 / 64 /
 #   128 / 256 / 512 rows 9.4 / 10.4 / 14.9 / 27.1 / 43.0 / 81.7 / 156.8 / 337.4 ms against 15.6 / 16.0 / 20.4 /
 #   31.8 / 50.3 / 89.9 / 169.9 / 353.3 (not measured past 512, where prefill chunks keep oneDNN).
+# - int8 weights packed into tiles (TILES; NativeCpuOps.int8_weight) against oneDNN's AMX GEMM on the weights
+#   dequantised: on the AMX Xeon at 1 / 4 / 8 / 16 / 20 / 24 / 32 rows 6.6-7.4 / 8.0 / 10.1-11.0 / 16.4 / 19.6 / 24.1
+#   / 30.8 ms against 18.9-20.1 / 19.6 / 19.8 / 20.2 / 21.7 / 21.8 / 24.1 (the plain int8 kernel: 8.7-10.0 / 14.8 /
+#   26.1-27.1 / 52.2 / 69.5 / 94.7 / 133.2). The tile kernel beats the plain one at every row count, so against a
+#   GEMM it was not timed on it takes the plain kernel's rows (CpuPlatform.quantized_max_rows).
 SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", MKL_FP32): 8,
     ("quantized", ONEDNN_FP32_COPIES): 8,
@@ -63,6 +68,7 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("bfloat16" + TILES, ONEDNN_HALF_AMX): 128,
     ("bfloat16", ONEDNN_HALF): 4,
     ("bfloat16" + TILES, ONEDNN_HALF): 512,
+    ("int8" + TILES, ONEDNN_HALF_AMX): 16,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel's vdpbf16ps path on a chunk of this many causal query-key pairs and more
@@ -99,6 +105,7 @@ def cpu_ops(kernels: str = "auto") -> Ops:
         attention.HND,
         sdpa_prefill_pairs=_sdpa_prefill_pairs(),
         half_tiles=bool(torch.ops.meshserve_cpu.half_linear_takes_tiles()),
+        int8_tiles=bool(torch.ops.meshserve_cpu.int8_linear_takes_tiles()),
     )
 
 
@@ -141,11 +148,12 @@ class CpuPlatform(Platform):
     def ops(self) -> Ops:
         return self._ops
 
-    def quantized_max_rows(self, compute_dtype: torch.dtype) -> int:
+    def quantized_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:
         # The native kernels read each quantised weight once per step and beat the fp32/bf16 GEMMs while a
         # step is bound by weight bytes; past the threshold oneDNN's packed GEMM wins (docs/benchmarks.md).
         # The reference ops would dequantise every call: no faster than bf16.
-        return self._small_step_rows("quantized", compute_dtype)
+        plain = self._small_step_rows("quantized", compute_dtype)
+        return max(plain, self._small_step_rows("int8" + TILES, compute_dtype)) if tiled else plain
 
     def half_max_rows(self, compute_dtype: torch.dtype, tiled: bool = False) -> int:
         if compute_dtype == torch.float32:

@@ -16,7 +16,9 @@ from services.worker.layers.quantization import (
     Int8Weight,
     QuantizedWeight,
     can_tile,
+    can_tile_int8,
     tile_half_weight,
+    tile_int8_weight,
 )
 from services.worker.platforms.reference_ops import ReferenceOps
 
@@ -61,17 +63,29 @@ class NativeCpuOps(ReferenceOps):
     half_tiles: half_linear multiplies bf16 weights packed into tiles here (half_linear_takes_tiles: on AMX
     tiles, or by vdpbf16ps over the same layout), so half_weight packs every bf16 weight that falls into whole
     tiles.
+    int8_tiles: int8_linear multiplies int8 weights packed into tiles here (int8_linear_takes_tiles), so int8_weight
+    packs every int8 weight of one scale a row that falls into whole tiles, for bf16 or fp16 activations (the tile
+    kernel rounds them to int16 codes; float32 activations keep float products).
     """
 
     def __init__(
-        self, layout: str = attention.NHD, sdpa_prefill_pairs: int | None = None, half_tiles: bool = False
+        self,
+        layout: str = attention.NHD,
+        sdpa_prefill_pairs: int | None = None,
+        half_tiles: bool = False,
+        int8_tiles: bool = False,
     ) -> None:
         super().__init__(layout)
         self.sdpa_prefill_pairs = sdpa_prefill_pairs
         self.half_tiles = half_tiles
+        self.int8_tiles = int8_tiles
 
     def half_weight(self, weight: torch.Tensor) -> HalfWeight:
         return HalfWeight(tile_half_weight(weight) if self.half_tiles and can_tile(weight) else weight)
+
+    def int8_weight(self, weight: Int8Weight, compute_dtype: torch.dtype) -> Int8Weight:
+        half = compute_dtype in (torch.bfloat16, torch.float16)
+        return tile_int8_weight(weight) if self.int8_tiles and half and can_tile_int8(weight) else weight
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return torch.ops.meshserve_cpu.rms_norm(x, weight, eps)

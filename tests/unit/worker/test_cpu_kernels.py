@@ -30,6 +30,7 @@ from services.worker.layers.quantization import (
     quantize_int8,
     quantized_linear_reference,
     tile_half_weight,
+    tile_int8_weight,
 )
 from services.worker.platforms.base import DeviceUnavailableError
 from services.worker.platforms.cpu import CpuPlatform, cpu_ops
@@ -495,6 +496,118 @@ def test_the_op_table_packs_half_weights_into_tiles_only_where_its_kernel_multip
     assert table.half_tiles is bool(torch.ops.meshserve_cpu.half_linear_takes_tiles())
     assert torch.ops.meshserve_cpu.half_linear_takes_tiles() is (loader.isa()[0] in loader.BF16_DOT_BUILDS)
     assert torch.ops.meshserve_cpu.half_linear_on_amx() is (loader.isa()[0] == "avx512_amx")
+
+
+def _int8_linear_takes_tiles() -> bool:
+    loader.load()
+    return bool(torch.ops.meshserve_cpu.int8_linear_takes_tiles())
+
+
+requires_int8_tiles = pytest.mark.skipif(
+    not _int8_linear_takes_tiles(), reason="int8_linear's tile path needs a kernel library built for AVX-512"
+)
+
+
+def test_a_tile_packed_int8_weight_dequantises_to_the_weight_it_was_packed_from() -> None:
+    plain = quantize_int8(torch.randn(48, 96, generator=torch.Generator().manual_seed(1)))
+    tiled = tile_int8_weight(plain)
+    assert tiled.tiled and tiled.in_features == 96 and tiled.nbytes == plain.nbytes
+    assert torch.equal(tiled.dequantize(torch.float32), plain.dequantize(torch.float32))
+    for weight in (quantize_int8(torch.randn(40, 96)), quantize_int8(torch.randn(48, 80)),
+                   quantize_int8(torch.randn(48, 96), group_size=32)):  # fmt: skip
+        with pytest.raises(ValueError, match="does not fall into int8 tiles"):
+            tile_int8_weight(weight)
+
+
+@requires_int8_tiles
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+# One row; blocks of 8 rows and a remainder (3, 9, 17); groups of 3 tile columns and a remainder of 1 or 2 (48, 80,
+# 96 outputs); one span of 256 column pairs, two (576: SmolLM2's hidden size) and six (1,536: its down projection).
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [
+    (1, 96, 576), (3, 48, 64), (8, 80, 1536), (9, 96, 576), (17, 48, 32), (33, 80, 96),
+])  # fmt: skip
+def test_int8_linear_on_tiles_matches_the_rounded_row_reference(
+    native: NativeCpuOps, dtype: torch.dtype, rows: int, out_features: int, in_features: int
+) -> None:
+    # Every row of x rounded to int16 codes, as a one-row step on the plain layout rounds it.
+    g = torch.Generator().manual_seed(rows)
+    plain = quantize_int8(torch.randn(out_features, in_features, generator=g) * 0.05)
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    got = native.int8_linear(x, tile_int8_weight(plain))
+    _ulp_close(got, int8_rounded_row_reference(x, plain))
+    if rows == 1:
+        assert torch.equal(got, native.int8_linear(x, plain))
+
+
+@requires_int8_tiles
+def test_int8_linear_rows_on_tiles_do_not_depend_on_their_batch() -> None:
+    g = torch.Generator().manual_seed(3)
+    tiled = tile_int8_weight(quantize_int8(torch.randn(304, 608, generator=g)))
+    x = (torch.randn(40, 608, generator=g) * 2.0 ** torch.randint(-10, 11, (40, 608), generator=g)).bfloat16()
+    int8 = torch.ops.meshserve_cpu.int8_linear
+    together = int8(x, tiled.qweight, tiled.scales)
+    for r in range(40):
+        assert torch.equal(int8(x[r : r + 1], tiled.qweight, tiled.scales), together[r : r + 1])
+    for r in range(0, 30, 7):
+        assert torch.equal(int8(x[r : r + 11], tiled.qweight, tiled.scales), together[r : r + 11])
+
+
+@requires_int8_tiles
+def test_int8_tiles_of_the_largest_codes_do_not_overflow(native: NativeCpuOps) -> None:
+    # Every product at 127 * 32767 and of one sign over 16,384 columns: the kernel widens its int32 sums every 256
+    # column pairs, before a lane can pass 2^31.
+    g = torch.Generator().manual_seed(9)
+    signs = torch.where(torch.rand(16, 16384, generator=g) > 0.5, 1.0, -1.0)
+    plain = quantize_int8(signs * 0.01)
+    assert bool((plain.qweight.abs() == 127).all())
+    x = signs[2:5].bfloat16()
+    got = native.int8_linear(x, tile_int8_weight(plain))
+    _ulp_close(got, int8_rounded_row_reference(x, plain))
+    assert float(got[0, 2]) == pytest.approx(16384 * 0.01, rel=2**-7)
+
+
+@requires_int8_tiles
+def test_a_row_of_inf_or_nan_on_int8_tiles_spoils_only_its_own_outputs(native: NativeCpuOps) -> None:
+    g = torch.Generator().manual_seed(2)
+    plain = quantize_int8(torch.randn(48, 64, generator=g))
+    tiled = tile_int8_weight(plain)
+    x = torch.randn(3, 64, generator=g).bfloat16()
+    clean = native.int8_linear(x, tiled)
+    for bad in (float("inf"), float("nan")):
+        poisoned = x.clone()
+        poisoned[1, 5] = bad
+        got = native.int8_linear(poisoned, tiled)
+        assert bool(got[1].isnan().all()), bad
+        assert torch.equal(got[[0, 2]], clean[[0, 2]])
+    zero = torch.zeros(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(native.int8_linear(zero, tiled), torch.zeros(2, 48, dtype=torch.bfloat16))
+
+
+@requires_int8_tiles
+def test_the_int8_tile_kernel_refuses_what_it_cannot_take() -> None:
+    tiled = tile_int8_weight(quantize_int8(torch.randn(48, 64)))
+    int8 = torch.ops.meshserve_cpu.int8_linear
+    with pytest.raises(RuntimeError, match="takes bfloat16 or float16 x"):
+        int8(torch.randn(2, 64), tiled.qweight, tiled.scales)
+    with pytest.raises(RuntimeError, match="x has 32 features, the tiles 64"):
+        int8(torch.randn(2, 32).bfloat16(), tiled.qweight, tiled.scales)
+    with pytest.raises(RuntimeError, match=r"float32 scales \[out, 1\]"):
+        int8(torch.randn(2, 64).bfloat16(), tiled.qweight, torch.ones(48, 2))
+
+
+def test_the_op_table_packs_int8_weights_into_tiles_only_for_its_tile_kernel_and_half_activations() -> None:
+    plain = quantize_int8(torch.randn(48, 64))
+    assert not NativeCpuOps(HND).int8_weight(plain, torch.bfloat16).tiled
+    tiles = NativeCpuOps(HND, int8_tiles=True)
+    assert tiles.int8_weight(plain, torch.bfloat16).tiled and tiles.int8_weight(plain, torch.float16).tiled
+    # float32 activations keep float products; scales per group and shapes off the tiles stay plain.
+    assert not tiles.int8_weight(plain, torch.float32).tiled
+    assert not tiles.int8_weight(quantize_int8(torch.randn(48, 64), group_size=32), torch.bfloat16).tiled
+    assert not tiles.int8_weight(quantize_int8(torch.randn(40, 64)), torch.bfloat16).tiled
+    table = cpu_ops("native")
+    assert isinstance(table, NativeCpuOps)
+    assert table.int8_tiles is bool(torch.ops.meshserve_cpu.int8_linear_takes_tiles())
+    assert table.int8_tiles is loader.isa()[0].startswith("avx512")
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4", "half"])

@@ -68,7 +68,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
         return quantized_linear_reference(x, w)  # type: ignore[arg-type]
 
     layer = _linear(weight)
-    quantize_matmuls([layer], binder_of(op), max_rows=4)
+    quantize_matmuls([layer], binder_of(op), lambda weight: 4)
     pack_linears([layer], torch.bfloat16, torch.float32, 4)
     release_quantized_weights([layer], torch.bfloat16)
     assert layer.weight.numel() == 0  # only the int8 and the packed copies remain
@@ -84,7 +84,7 @@ def test_small_steps_take_the_int8_kernel_and_large_ones_the_packed_gemm() -> No
 def test_without_a_packed_copy_large_steps_dequantise() -> None:
     weight = torch.randn(16, 8).to(torch.bfloat16)
     layer = _linear(weight)
-    quantize_matmuls([layer], binder_of(quantized_linear_reference), max_rows=1)
+    quantize_matmuls([layer], binder_of(quantized_linear_reference), lambda weight: 1)
     release_quantized_weights([layer], torch.bfloat16)
     x = torch.randn(5, 8).bfloat16()
     expected = torch.nn.functional.linear(x, layer.quantized.weight.dequantize(torch.bfloat16))  # type: ignore[union-attr]
@@ -93,7 +93,7 @@ def test_without_a_packed_copy_large_steps_dequantise() -> None:
 
 def test_max_rows_must_be_positive() -> None:
     with pytest.raises(ValueError, match="max_rows must be >= 1"):
-        quantize_matmuls([_linear(torch.ones(2, 2))], binder_of(quantized_linear_reference), max_rows=0)
+        quantize_matmuls([_linear(torch.ones(2, 2))], binder_of(quantized_linear_reference), lambda weight: 0)
 
 
 def _config(model_dir: Path, **overrides: object) -> EngineConfig:
@@ -162,6 +162,10 @@ def test_the_quantised_threshold_follows_the_gemm_it_replaces() -> None:
         (cpu.ONEDNN_HALF, cpu.ONEDNN_HALF_AMX) if bf16_native else (cpu.ONEDNN_FP32_COPIES,)
     )
     assert native.quantized_max_rows(torch.bfloat16) == (4 if bf16_native else 8)
+    # int8 weights in tiles: their kernel beats the plain one at every row count, and oneDNN's AMX GEMM up to 16.
+    amx = native.matmul_gemm(torch.bfloat16) == cpu.ONEDNN_HALF_AMX
+    plain = native.quantized_max_rows(torch.bfloat16)
+    assert native.quantized_max_rows(torch.bfloat16, tiled=True) == (16 if amx else plain)
     assert cpu.CpuPlatform(kernels="reference").quantized_max_rows(torch.bfloat16) == 0
 
 
