@@ -356,19 +356,6 @@ def test_a_one_row_int8_step_rounds_x_to_16_bits_and_no_further(native: NativeCp
     assert bool(((got.float() - exact).abs() <= bound + exact.abs() * 2.0**-7).all())
 
 
-def test_a_one_row_int8_step_of_the_largest_codes_does_not_overflow(native: NativeCpuOps) -> None:
-    # Every product at 127 * 32767 and of one sign over 16,392 columns (Llama-8B's MLP is 14,336 wide): an
-    # int32 lane summing a whole row would pass 2^31; the kernel widens the sums every 2,048 columns.
-    g = torch.Generator().manual_seed(9)
-    signs = torch.where(torch.rand(6, 16392, generator=g) > 0.5, 1.0, -1.0)
-    weight = quantize_int8(signs * 0.01)
-    assert bool((weight.qweight.abs() == 127).all())
-    x = signs[2:3].bfloat16()
-    got = native.int8_linear(x, weight)
-    _ulp_close(got, int8_rounded_row_reference(x, weight))
-    assert float(got[0, 2]) == pytest.approx(16392 * 0.01, rel=2**-7)
-
-
 def test_a_one_row_int8_step_with_inf_or_nan_in_x_propagates_it(native: NativeCpuOps) -> None:
     weight = quantize_int8(torch.randn(8, 64, generator=torch.Generator().manual_seed(2)))
     for bad in (float("inf"), float("nan")):
@@ -552,18 +539,22 @@ def test_int8_linear_rows_on_tiles_do_not_depend_on_their_batch() -> None:
         assert torch.equal(int8(x[r : r + 11], tiled.qweight, tiled.scales), together[r : r + 11])
 
 
-@requires_int8_tiles
-def test_int8_tiles_of_the_largest_codes_do_not_overflow(native: NativeCpuOps) -> None:
-    # Every product at 127 * 32767 and of one sign over 16,384 columns: the kernel widens its int32 sums every 256
-    # column pairs, before a lane can pass 2^31.
+@pytest.mark.parametrize("tiles", [False, True])
+def test_int8_steps_of_the_largest_codes_do_not_overflow(native: NativeCpuOps, tiles: bool) -> None:
+    # Every product at 127 * 32767 and of one sign over ~16,400 columns (Llama-8B's MLP is 14,336 wide): an int32
+    # lane summing a whole row would pass 2^31. The plain layout's one-row path widens its sums every 2,048 columns
+    # (16,392: a tail past its vectors), the tiles every 256 column pairs (whole tiles: 16,384) for every row.
+    if tiles and not _int8_linear_takes_tiles():
+        pytest.skip("int8_linear's tile path needs a kernel library built for AVX-512")
+    columns = 16384 if tiles else 16392
     g = torch.Generator().manual_seed(9)
-    signs = torch.where(torch.rand(16, 16384, generator=g) > 0.5, 1.0, -1.0)
+    signs = torch.where(torch.rand(16, columns, generator=g) > 0.5, 1.0, -1.0)
     plain = quantize_int8(signs * 0.01)
     assert bool((plain.qweight.abs() == 127).all())
-    x = signs[2:5].bfloat16()
-    got = native.int8_linear(x, tile_int8_weight(plain))
+    x = signs[2:5].bfloat16() if tiles else signs[2:3].bfloat16()
+    got = native.int8_linear(x, tile_int8_weight(plain) if tiles else plain)
     _ulp_close(got, int8_rounded_row_reference(x, plain))
-    assert float(got[0, 2]) == pytest.approx(16384 * 0.01, rel=2**-7)
+    assert float(got[0, 2]) == pytest.approx(columns * 0.01, rel=2**-7)
 
 
 @requires_int8_tiles
