@@ -422,10 +422,13 @@ void int8_linear_tiles(const at::Tensor& x, const at::Tensor& tiles, const at::T
   const int64_t n_size = n_tiles * 16, tile_bytes = 16 * k_size;
   const at::Tensor xc = x.contiguous();
   const FloatRows xf = float_rows(xc);
-  thread_local std::vector<int16_t> codes;
-  thread_local std::vector<float> x_scales;
+  // x's codes in a buffer the calling thread keeps, as float_rows keeps x widened, and within the same bound: a
+  // larger step's codes are a buffer of this call's own.
+  thread_local std::vector<int16_t> kept_codes;
+  std::vector<int16_t> own_codes;
+  std::vector<int16_t>& codes = rows * k_size <= kScratchFloats ? kept_codes : own_codes;
   codes.resize(rows * k_size);
-  x_scales.resize(rows);
+  std::vector<float> x_scales(rows);
   for (int64_t r = 0; r < rows; ++r)
     if (!round_row_to(xf.data + r * k_size, k_size, codes.data() + r * k_size, x_scales[r]))
       x_scales[r] = std::numeric_limits<float>::quiet_NaN();

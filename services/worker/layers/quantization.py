@@ -33,7 +33,6 @@ class Int8Weight:
     """A weight [out, in] as int8 and float32 scales [out, groups]: weight ~ qweight * scales per group
     of in / groups consecutive columns.
 
-
     qweight is [out, in] as it is, or, for the int8 tile kernel, packed into tiles (tile_int8_weight: 5-D)."""
 
     qweight: torch.Tensor

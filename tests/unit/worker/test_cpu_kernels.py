@@ -509,9 +509,10 @@ def test_a_tile_packed_int8_weight_dequantises_to_the_weight_it_was_packed_from(
 @requires_int8_tiles
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 # One row; blocks of 8 rows and a remainder (3, 9, 17); groups of 3 tile columns and a remainder of 1 or 2 (48, 80,
-# 96 outputs); one span of 256 column pairs, two (576: SmolLM2's hidden size) and six (1,536: its down projection).
+# 96 outputs); one span of 256 column pairs, two (576: SmolLM2's hidden size) and six (1,536: its down projection);
+# 40 x 2,048 is more codes than the kernel's retained buffer holds: a buffer of the call's own.
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [
-    (1, 96, 576), (3, 48, 64), (8, 80, 1536), (9, 96, 576), (17, 48, 32), (33, 80, 96),
+    (1, 96, 576), (3, 48, 64), (8, 80, 1536), (9, 96, 576), (17, 48, 32), (33, 80, 96), (40, 48, 2048),
 ])  # fmt: skip
 def test_int8_linear_on_tiles_matches_the_rounded_row_reference(
     native: NativeCpuOps, dtype: torch.dtype, rows: int, out_features: int, in_features: int
