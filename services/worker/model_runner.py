@@ -35,7 +35,7 @@ from services.worker.layers.linear import (
     quantize_matmuls,
     release_quantized_weights,
 )
-from services.worker.layers.quantization import weight_parts
+from services.worker.layers.quantization import HalfWeight, Int8Weight, weight_parts
 from services.worker.memory_profile import profile_peak_memory
 from services.worker.models.llama import HeadSplit, LlamaArch, LlamaForCausalLM, check_tp_size
 from services.worker.pipeline_partition import StageLayers, partition_model
@@ -415,12 +415,18 @@ class ModelRunner:
     @property
     def matmul_weights(self) -> str:
         """How the linears hold their matmul weights: "plain", or packed for oneDNN ("onednn-<dtype>"), after
-        "int8+" (or "gguf+") when small steps run on quantised copies, "half+" when on the half weights."""
+        "int8+" (or "gguf+") when small steps run on quantised copies, "half+" when on the half weights, with
+        "-tiles" ("int8-tiles+", "half-tiles+") where the op table packed those into tiles."""
         pack_dtype = self.platform.matmul_pack_dtype(self.precision.compute)
         layout = "plain" if pack_dtype is None else f"onednn-{str(pack_dtype).removeprefix('torch.')}"
-        if self.config.quantization is not None:
-            return f"{self.config.quantization}+{layout}"
-        return f"half+{layout}" if self.platform.half_max_rows(self.precision.compute) > 0 else layout
+        small = self.config.quantization
+        if small is None and self.platform.half_max_rows(self.precision.compute) > 0:
+            small = "half"
+        if small is None:
+            return layout
+        weights = [m.quantized.weight for m in self.model.matmul_modules() if m.quantized is not None]
+        tiled = any(isinstance(w, Int8Weight | HalfWeight) and w.tiled for w in weights)
+        return f"{small}{'-tiles' if tiled else ''}+{layout}"
 
     def _size_kv_cache(self, arch: LlamaArch, free_at_start: int) -> int:
         """Profile the largest step, then turn the memory budget into a block count all ranks share."""

@@ -499,6 +499,9 @@ def test_bf16_linears_are_packed_for_onednn_unless_kernels_are_reference(wide_di
             # and on AMX its tile path).
             half = "half+" if runner.platform.half_max_rows(torch.bfloat16) > 0 else ""
             assert bool(half) == (pack_dtype == torch.float32 or loader.isa()[0] in loader.BF16_DOT_BUILDS)
+            ops = runner.platform.ops
+            if half and isinstance(ops, NativeCpuOps) and ops.half_tiles:
+                half = "half-tiles+"  # every one of this model's shapes falls into whole tiles
             assert runner.matmul_weights == f"{half}onednn-{str(pack_dtype).removeprefix('torch.')}"
             assert all(m.packed is not None and m.packed.dtype == pack_dtype for m in modules)
             assert all((m.quantized is not None) == bool(half) for m in modules)
