@@ -28,8 +28,6 @@ log = structlog.get_logger()
 
 # Linux 5.14: fault pages in writable without writing them.
 _MADV_POPULATE_WRITE = 23
-# One madvise call's share of populating.
-POPULATE_CHUNK_BYTES = 64 * 1024 * 1024
 
 
 class ExtentAllocator:
@@ -118,10 +116,10 @@ class ValueArena:
         return self._populated
 
     def populate(self) -> bool:
-        """Fault the whole mapping in, a chunk per madvise (a ctypes call: without the GIL); False where the
-        kernel cannot (before Linux 5.14: pages are then faulted in as values arrive).
+        """Fault the whole mapping in, in one madvise; False where the kernel cannot (before Linux 5.14: pages
+        are then faulted in as values arrive).
 
-        Run before the store serves, not beside it: madvise holds the process's mmap lock for its chunk, and
+        Run before the store serves, not beside it: madvise holds the process's mmap lock while it runs, and
         every mmap of the serving thread (Python's and gRPC's allocations) would wait on it, the longer if a
         lower-priority populating thread were preempted while holding it."""
         libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
@@ -129,14 +127,12 @@ class ValueArena:
         anchor = ctypes.c_char.from_buffer(self._mapping)  # an export: the mapping cannot close meanwhile
         base = ctypes.addressof(anchor)
         try:
-            while self._populated < self.capacity:
-                length = min(POPULATE_CHUNK_BYTES, self.capacity - self._populated)
-                if libc.madvise(base + self._populated, length, _MADV_POPULATE_WRITE) != 0:
-                    log.info("kvstore_memory_not_reserved", errno=ctypes.get_errno(), populated=self._populated)
-                    return False
-                self._populated += length
+            if libc.madvise(base, self.capacity, _MADV_POPULATE_WRITE) != 0:
+                log.info("kvstore_memory_not_reserved", errno=ctypes.get_errno())
+                return False
         finally:
             del anchor
+        self._populated = self.capacity
         return True
 
     def close(self) -> None:

@@ -44,7 +44,7 @@ class Int8Weight:
 
     @property
     def in_features(self) -> int:
-        return self.qweight.shape[1] * TILE_COLUMNS if self.tiled else self.qweight.shape[1]
+        return _in_features(self.qweight)
 
     @property
     def nbytes(self) -> int:
@@ -152,7 +152,7 @@ class HalfWeight:
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[1] * TILE_COLUMNS if self.tiled else self.weight.shape[1]
+        return _in_features(self.weight)
 
     @property
     def nbytes(self) -> int:
@@ -160,6 +160,11 @@ class HalfWeight:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return (untile(self.weight) if self.tiled else self.weight).to(dtype)
+
+
+def _in_features(weight: torch.Tensor) -> int:
+    """The input columns of a weight [out, in], or of one packed into tiles (tile)."""
+    return weight.shape[1] * TILE_COLUMNS if weight.dim() == 5 else weight.shape[1]
 
 
 def _whole_tiles(weight: torch.Tensor) -> bool:

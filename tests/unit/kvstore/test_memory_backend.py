@@ -88,7 +88,7 @@ async def test_evicts_until_one_free_extent_is_long_enough() -> None:
         await backend.close()
 
 
-async def test_a_reserved_backend_stores_while_its_memory_is_populated() -> None:
+async def test_a_reserved_backend_stores_and_reads_back_its_values() -> None:
     backend = MemoryBackend(8 * 1024 * 1024, reserve=True)
     try:
         values = [(f"k{i}", _parts(300_000, i)) for i in range(20)]
