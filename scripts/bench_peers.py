@@ -66,6 +66,8 @@ MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "meshserve": (),
     "meshserve-int8": ("--quantization", "int8"),
     "meshserve-no-kvstore": ("--kv-store", "off"),
+    # Queued requests admitted in arrival order (vLLM's), not shortest prompt first.
+    "meshserve-fcfs": ("--scheduling-policy", "fcfs"),
     # The kvstore gets a block the first time it is reused, not every block computed.
     "meshserve-selective": ("--kv-store-write-policy", "write-through-selective"),
     "meshserve-spec": ("--speculative-config", SPECULATIVE_CONFIG),

@@ -162,6 +162,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="which blocks the kvstore gets: every computed one, or each the first time it is reused "
         "(scheduler default: write-through)",
     )
+    parser.add_argument(
+        "--scheduling-policy",
+        default=None,
+        choices=_scheduler_choices("scheduling_policy"),
+        help="which queued request runs next: the shortest prompt first (aged by queue time) or arrival order "
+        "(scheduler default: shortest-prefill-first)",
+    )
     parser.add_argument("--log-dir", type=Path, default=None, help="service logs (default: cache dir)")
     parser.add_argument("--startup-timeout", type=float, default=600.0)
     parser.add_argument(
@@ -221,6 +228,7 @@ def scheduler_args(ns: argparse.Namespace) -> list[str]:
         *_optional("--routing", ns.routing),
         *_optional("--preemption-mode", ns.preemption_mode),
         *_optional("--kv-store-write-policy", ns.kv_store_write_policy),
+        *_optional("--scheduling-policy", ns.scheduling_policy),
     ]
 
 

@@ -135,6 +135,7 @@ class Cluster:
             kv_store=self._kv_store_use(hello),
             long_prefill_token_threshold=s.long_prefill_token_threshold,
             speculation=s.speculative_config,
+            waiting=WaitingQueue(s.scheduling_policy, s.scheduling_aging_tokens_per_second),
         )
         self.workers[hello.worker_id] = worker
         self.model_name = self.model_name or hello.model_name

@@ -81,6 +81,7 @@ class WorkerLoop:
         kv_store: KVStoreUse | None = None,
         long_prefill_token_threshold: int = 0,
         speculation: SpeculativeConfig | None = None,
+        waiting: WaitingQueue | None = None,
     ) -> WorkerLoop:
         planner = WorkerScheduler(
             worker_id=hello.worker_id,
@@ -90,7 +91,7 @@ class WorkerLoop:
             max_num_batched_tokens=max_num_batched_tokens,
             max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
-            waiting=WaitingQueue(),
+            waiting=waiting if waiting is not None else WaitingQueue(),
             listener=listener,
             kv_store=kv_store,
             long_prefill_token_threshold=long_prefill_token_threshold,

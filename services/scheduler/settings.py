@@ -9,6 +9,11 @@ from pydantic import Field, model_validator
 from services.common.engine_defaults import DEFAULT_MAX_NUM_SEQS
 from services.common.settings import ServiceSettings
 from services.scheduler.speculation import SpeculativeConfig
+from services.scheduler.waiting_queue import (
+    DEFAULT_SCHEDULING_AGING_TOKENS_PER_S,
+    DEFAULT_SCHEDULING_POLICY,
+    SchedulingPolicy,
+)
 
 DEFAULT_PORT = 50052
 
@@ -30,6 +35,19 @@ class SchedulerSettings(ServiceSettings):
         description="most prompt tokens one request computes per step (vLLM's flag), so a long prefill is "
         "chunked and short turns and decodes between its chunks are not held up; 0: off (up to the step budget)",
         ge=0,
+    )
+    scheduling_policy: SchedulingPolicy = Field(
+        DEFAULT_SCHEDULING_POLICY,
+        description="which queued request a worker admits next: shortest-prefill-first, the least prompt work "
+        "(less its cached prefix) first, aged by queue time (lowers a burst's mean time to first token; see "
+        "--scheduling-aging-tokens-per-second); fcfs, arrival order (vLLM's default)",
+    )
+    scheduling_aging_tokens_per_second: float = Field(
+        DEFAULT_SCHEDULING_AGING_TOKENS_PER_S,
+        description="shortest-prefill-first: a second in the queue counts as this many prompt tokens less, so a "
+        "request is overtaken only by requests that arrived less than (its tokens - theirs) / rate seconds "
+        "after it",
+        gt=0,
     )
     speculative_config: SpeculativeConfig | None = Field(
         None,

@@ -11,6 +11,7 @@ from services import cli
 from services.common.byte_sizes import parse_size
 from services.common.settings import add_settings_arguments, settings_from_args
 from services.scheduler.settings import SchedulerSettings
+from services.scheduler.waiting_queue import DEFAULT_SCHEDULING_POLICY
 from services.worker.settings import WorkerSettings
 
 
@@ -88,6 +89,18 @@ def test_worker_settings_refuse_bad_combinations(argv: list[str], message: str) 
     with pytest.raises(ValidationError) as info:
         _parse(WorkerSettings, argv)
     assert message in str(info.value)
+
+
+def test_the_scheduling_policy_and_its_aging_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _parse(SchedulerSettings, []).scheduling_policy == DEFAULT_SCHEDULING_POLICY
+    settings = _parse(SchedulerSettings, ["--scheduling-policy", "fcfs", "--scheduling-aging-tokens-per-second", "250"])
+    assert (settings.scheduling_policy, settings.scheduling_aging_tokens_per_second) == ("fcfs", 250.0)
+    with pytest.raises(SystemExit):
+        _parse(SchedulerSettings, ["--scheduling-policy", "lifo"])
+    assert "--scheduling-policy: invalid choice: 'lifo'" in capsys.readouterr().err
+    with pytest.raises(ValidationError) as info:
+        _parse(SchedulerSettings, ["--scheduling-aging-tokens-per-second", "0"])
+    assert "scheduling_aging_tokens_per_second" in str(info.value)
 
 
 def test_swap_preemption_refuses_selective_saves() -> None:

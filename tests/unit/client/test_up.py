@@ -40,7 +40,7 @@ def test_ports_other_services_dial_must_be_fixed(flag: str, value: str, capsys: 
     assert f"argument {flag}" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flag", ["--routing", "--preemption-mode", "--kv-store-write-policy"])
+@pytest.mark.parametrize("flag", ["--routing", "--preemption-mode", "--kv-store-write-policy", "--scheduling-policy"])
 def test_scheduler_choices_reach_it_only_when_given(flag: str) -> None:
     """`up` offers the scheduler's own choices (one list), and passes a choice on only when given."""
     field = flag[2:].replace("-", "_")

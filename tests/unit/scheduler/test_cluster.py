@@ -243,3 +243,20 @@ async def test_a_worker_busy_prefilling_is_not_taken_for_idle() -> None:
     h.cluster.policy = RoutingPolicy.KV
     h.submit("cold", _prompt(4, 20))
     assert b.num_routed == 2, "the worker with 352 prompt tokens still to compute took the new request"
+
+
+@pytest.mark.parametrize(
+    ("policy", "first_answered"), [("shortest-prefill-first", "short"), ("fcfs", "long")]
+)  # fmt: skip
+async def test_the_scheduling_policy_orders_each_workers_queue(policy: str, first_answered: str) -> None:
+    """A long prompt submitted just before a short one: under shortest-prefill-first the short one's first
+    token comes first, under fcfs the long one's."""
+    h = Harness(scheduling_policy=policy, scheduling_aging_tokens_per_second=10.0, max_num_batched_tokens=64)
+    worker = h.attach("a", num_blocks=256)
+    assert worker.waiting.policy == policy
+    h.submit("long", _prompt(1, 200), max_tokens=2)
+    h.submit("short", _prompt(2, 20), max_tokens=2)
+    order: list[str] = []
+    while h.step("a"):
+        order += [rid for rid in ("long", "short") if h.tokens(rid) and rid not in order]
+    assert order[0] == first_answered and set(order) == {"long", "short"}

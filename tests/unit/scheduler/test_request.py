@@ -1,9 +1,8 @@
-"""Request state, stop conditions and the waiting queue."""
+"""Request state and stop conditions."""
 
 from services.common.proto.meshserve.v1 import sampling_pb2
 from services.scheduler.block_hash import hash_request_blocks
 from services.scheduler.request import Request, RequestStatus, check_stop
-from services.scheduler.waiting_queue import WaitingQueue
 
 EOS = 2
 
@@ -58,26 +57,6 @@ def test_block_hashes_extend_with_outputs() -> None:
     assert r.num_tokens == 9
     assert r.get_block_hashes(4) == hash_request_blocks(r.all_token_ids, 4)
     assert len(r.get_block_hashes(4)) == 2
-
-
-def test_waiting_queue_order_and_remove() -> None:
-    q = WaitingQueue()
-    a, b, c = (Request(i, [1], sampling_pb2.SamplingParams(), [], 1) for i in "abc")
-    q.append(a)
-    q.append(b)
-    q.prepend(c)
-    assert [r.request_id for r in q] == ["c", "a", "b"]
-    assert q.peek() is c
-    assert q.remove("a") is a
-    assert q.remove("zz") is None
-    assert "b" in q
-    assert q.popleft() is c
-    assert q.num_tokens == 1
-    q.prepend(a)
-    assert [r.request_id for r in q] == ["a", "b"]
-    assert q.num_tokens == 2
-    assert q.take_all() == [a, b]
-    assert len(q) == 0 and q.num_tokens == 0
 
 
 def test_min_tokens_holds_off_eos_and_stop_ids_but_not_the_length() -> None:
