@@ -54,8 +54,11 @@ TILES = " tiles"
 # - int8 weights packed into tiles (TILES; NativeCpuOps.int8_weight) against oneDNN's AMX GEMM on the weights
 #   dequantised: on the AMX Xeon at 1 / 4 / 8 / 16 / 20 / 24 / 32 rows 6.6-7.4 / 8.0 / 10.1-11.0 / 16.4 / 19.6 / 24.1
 #   / 30.8 ms against 18.9-20.1 / 19.6 / 19.8 / 20.2 / 21.7 / 21.8 / 24.1 (the plain int8 kernel: 8.7-10.0 / 14.8 /
-#   26.1-27.1 / 52.2 / 69.5 / 94.7 / 133.2). The tile kernel beats the plain one at every row count, so against a
-#   GEMM it was not timed on it takes the plain kernel's rows (CpuPlatform.quantized_max_rows).
+#   26.1-27.1 / 52.2 / 69.5 / 94.7 / 133.2). On the Zen 4 EPYC (no AMX: vpdpwssd on AVX512-VNNI) against oneDNN's
+#   avx512_bf16 GEMM, three runs at 1 / 2 / 4 / 8 / 16 / 32 rows: 6.5-7.9 / 6.7-6.8 / 6.6-8.9 / 11.0-12.0 / 22.7 /
+#   40.2 ms against 14.1-17.9 / 16.6-17.3 / 12.1-16.3 / 14.1-15.5 / 19.6 / 28.1 (the plain int8 kernel 5.7-8.4 /
+#   13.0-13.5 / 17.7-26.7 / 29.4-33.4). The tile kernel beats the plain one from 2 rows and is level at one, so
+#   against a GEMM it was not timed on it takes the plain kernel's rows (CpuPlatform.quantized_max_rows).
 SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("quantized", MKL_FP32): 8,
     ("quantized", ONEDNN_FP32_COPIES): 8,
@@ -69,6 +72,7 @@ SMALL_STEP_MAX_ROWS: dict[tuple[str, str], int] = {
     ("bfloat16", ONEDNN_HALF): 4,
     ("bfloat16" + TILES, ONEDNN_HALF): 512,
     ("int8" + TILES, ONEDNN_HALF_AMX): 16,
+    ("int8" + TILES, ONEDNN_HALF): 8,
 }
 # On a CPU with AMX tiles torch's bf16 SDPA (flash attention on oneDNN's AMX kernels) beats the native
 # prefill kernel's vdpbf16ps path on a chunk of this many causal query-key pairs and more

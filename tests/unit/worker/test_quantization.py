@@ -166,10 +166,12 @@ def test_the_quantised_threshold_follows_the_gemm_it_replaces() -> None:
         (cpu.ONEDNN_HALF, cpu.ONEDNN_HALF_AMX) if bf16_native else (cpu.ONEDNN_FP32_COPIES,)
     )
     assert native.quantized_max_rows(torch.bfloat16) == (4 if bf16_native else 8)
-    # int8 weights in tiles: their kernel beats the plain one at every row count, and oneDNN's AMX GEMM up to 16.
-    amx = native.matmul_gemm(torch.bfloat16) == cpu.ONEDNN_HALF_AMX
+    # int8 weights in tiles: their kernel beats the plain one, oneDNN's AMX GEMM up to 16 rows and its
+    # avx512_bf16 GEMM up to 8; against any other GEMM they take the plain kernel's rows.
+    tiled_rows = {cpu.ONEDNN_HALF_AMX: 16, cpu.ONEDNN_HALF: 8}
     plain = native.quantized_max_rows(torch.bfloat16)
-    assert native.quantized_max_rows(torch.bfloat16, tiled=True) == (16 if amx else plain)
+    expected = tiled_rows.get(native.matmul_gemm(torch.bfloat16), plain)
+    assert native.quantized_max_rows(torch.bfloat16, tiled=True) == expected
     assert cpu.CpuPlatform(kernels="reference").quantized_max_rows(torch.bfloat16) == 0
 
 
