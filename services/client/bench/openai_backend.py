@@ -13,7 +13,7 @@ How a stream becomes a record:
   chunks' share the last chunk's time, as tokens of one gRPC message share its time. Without usage, the
   chunks' count stands;
 - a non-200 status, an error event, an aborted finish or a stream cut before [DONE] fail the request, with
-  the server's message kept.
+  the server's message kept; a connection closed before any answer is tried once more (UNANSWERED_RETRIES).
 """
 
 from __future__ import annotations
@@ -34,6 +34,11 @@ from services.client.bench.sse import CompletionChunk, SSEDecoder, error_body_te
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
 CONNECT_TIMEOUT_S = 10.0
+# Tries again for a request whose connection closed before any byte of an answer. llama.cpp's server closes
+# kept-alive connections now and then as the next request arrives on them (about one request in twenty at
+# concurrency 1 in issue 15's peer runs, "Server disconnected without sending a response"); browsers and
+# urllib3 retry a request on a reused connection in that case. Once the status line has come, nothing is retried.
+UNANSWERED_RETRIES = 1
 
 
 def api_root(base_url: str) -> str:
@@ -207,28 +212,37 @@ async def send_completion(
     record = RequestRecord(prompt_len=prompt_len or 0, output_len=output_len, start=time.perf_counter())
     stream = _Stream(arrivals=[])
     headers = {"X-Request-Id": request_id} if request_id else {}
-    try:
-        async with client.stream("POST", url, json=payload, headers=headers) as response:
-            if response.status_code != 200:
-                body = (await response.aread()).decode("utf-8", errors="replace")
-                return _fail(record, f"HTTP {response.status_code}: {error_body_text(body)}")
-            decoder = SSEDecoder()
-            async for line in response.aiter_lines():
-                if stream.done:
-                    # Read on to the body's end (its closing chunk), so that the connection is kept alive.
-                    continue
-                now = time.perf_counter()
-                event = decoder.feed(line)
-                if event is not None:
-                    stream.take(parse_event(event), now)
-                if stream.error is not None:
-                    break
-            if stream.error is None and not stream.done and (event := decoder.flush()) is not None:
-                stream.take(parse_event(event), time.perf_counter())
-    except httpx.HTTPError as err:
-        return _fail(record, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
-    except Exception as err:  # one broken request must not end the whole benchmark
-        return _fail(record, f"{type(err).__name__}: {err}")
+    answered = False
+    for attempt in range(1 + UNANSWERED_RETRIES):
+        try:
+            async with client.stream("POST", url, json=payload, headers=headers) as response:
+                answered = True
+                if response.status_code != 200:
+                    body = (await response.aread()).decode("utf-8", errors="replace")
+                    return _fail(record, f"HTTP {response.status_code}: {error_body_text(body)}")
+                decoder = SSEDecoder()
+                async for line in response.aiter_lines():
+                    if stream.done:
+                        # Read on to the body's end (its closing chunk), so that the connection is kept alive.
+                        continue
+                    now = time.perf_counter()
+                    event = decoder.feed(line)
+                    if event is not None:
+                        stream.take(parse_event(event), now)
+                    if stream.error is not None:
+                        break
+                if stream.error is None and not stream.done and (event := decoder.flush()) is not None:
+                    stream.take(parse_event(event), time.perf_counter())
+            break
+        except httpx.RemoteProtocolError as err:
+            if answered or attempt == UNANSWERED_RETRIES:
+                return _fail(record, f"{type(err).__name__}: {err}")
+            # Closed before any byte of an answer: a kept-alive connection the server dropped as this request
+            # went out. The pool opens a new one; the record's clock keeps running from the first try.
+        except httpx.HTTPError as err:
+            return _fail(record, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
+        except Exception as err:  # one broken request must not end the whole benchmark
+            return _fail(record, f"{type(err).__name__}: {err}")
     end = time.perf_counter()
     if prompt_len is None and stream.prompt_tokens is not None:
         record.prompt_len = stream.prompt_tokens

@@ -45,6 +45,9 @@ CUT = 6
 NO_DONE = 7
 LLAMA_ERROR = 8
 ABORT = 9
+# The connection closes without an answer: when the request came on a kept-alive connection, or always.
+DROP_REUSED = 10
+DROP_ALWAYS = 11
 MODEL = "fake/model-1"
 
 
@@ -71,6 +74,7 @@ class FakeOpenAI:
         task = asyncio.current_task()
         assert task is not None
         self.handlers.add(task)
+        served = 0
         try:
             while line := await reader.readline():
                 method, path, _ = line.decode().split(" ", 2)
@@ -79,8 +83,9 @@ class FakeOpenAI:
                     name, _, value = raw.decode().partition(":")
                     headers[name.strip().lower()] = value.strip()
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
-                if not await self._respond(method, path, headers, body, writer):
+                if not await self._respond(method, path, headers, body, writer, reused=served > 0):
                     break
+                served += 1
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
@@ -88,7 +93,7 @@ class FakeOpenAI:
             writer.close()
 
     async def _respond(
-        self, method: str, path: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter
+        self, method: str, path: str, headers: dict[str, str], body: bytes, writer: asyncio.StreamWriter, reused: bool
     ) -> bool:
         if method == "GET" and path == "/v1/models":
             _write_json(writer, 200, {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models]})
@@ -101,6 +106,9 @@ class FakeOpenAI:
         payload = json.loads(body)
         self.payloads.append(payload)
         self.headers.append(headers)
+        kind = payload["prompt"][0] if isinstance(payload["prompt"], list) else 0
+        if kind == DROP_ALWAYS or (kind == DROP_REUSED and reused):
+            return False
         self.in_flight += 1
         self.max_in_flight = max(self.max_in_flight, self.in_flight)
         try:
@@ -386,6 +394,21 @@ async def test_errors_become_failed_records(server: tuple[str, FakeOpenAI], kind
     assert good.success and good.num_output_tokens == 4
     summary = summarize([bad, good], 1.0, backend="openai")
     assert summary.failed == 1 and any(error in e for e in summary.errors)
+
+
+async def test_a_connection_closed_before_any_answer_is_tried_once_more(server: tuple[str, FakeOpenAI]) -> None:
+    """The second request goes out on the first one's kept-alive connection, which the server drops unanswered
+    (as llama.cpp's server sometimes does): it is sent again on a new connection and succeeds. A server that
+    never answers gets two tries, and a stream cut after its status line (CUT above) none."""
+    base_url, fake = server
+    first, dropped = await _run(base_url, _requests(100, DROP_REUSED), max_concurrency=1)
+    assert first.success and dropped.success and dropped.num_output_tokens == 4
+    assert fake.connections == 2 and len(fake.payloads) == 3
+    assert dropped.token_times[0] > dropped.start
+    never, after = await _run(base_url, _requests(DROP_ALWAYS, 100), max_concurrency=1)
+    assert not never.success and "RemoteProtocolError: Server disconnected without sending a response" in never.error
+    assert after.success
+    assert [p["prompt"][0] for p in fake.payloads[3:]] == [DROP_ALWAYS, DROP_ALWAYS, 100]
 
 
 async def test_without_usage_the_chunks_count(server: tuple[str, FakeOpenAI]) -> None:
