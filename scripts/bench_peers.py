@@ -309,13 +309,14 @@ def _record(
     chosen: Sequence[Workload],
     results: dict[str, dict[str, list[dict[str, Any]]]],
     failures: dict[str, str],
+    commit: str | None,
 ) -> dict[str, Any]:
-    """The run's JSON record: the machine, the workloads, each server's summary (over the rounds it finished)
-    and rounds, and the servers that failed, with why."""
+    """The run's JSON record: the commit it started on, the machine, the workloads, each server's summary (over
+    the rounds it finished) and rounds, and the servers that failed, with why."""
     summary = {name: {w: summarize(runs) for w, runs in per.items()} for name, per in results.items()}
     return {
         "when": datetime.now(UTC).isoformat(timespec="seconds"),
-        "commit": git_commit(ROOT),
+        "commit": commit,
         "cpu": cpu_model(),
         "cores": os.cpu_count(),
         "dtype": args.dtype,
@@ -378,7 +379,9 @@ def main() -> None:
     # A server that dies or fails a round keeps the rounds it finished and is reported here, and the run goes
     # on to the next server: one peer's crash never costs the others' figures.
     failures: dict[str, str] = {}
-    record = _record(args, chosen, results, failures)
+    # Taken once, at the start: the record written after each server would otherwise make the tree "+dirty".
+    commit = git_commit(ROOT)
+    record = _record(args, chosen, results, failures, commit)
     with tempfile.TemporaryDirectory() as tmp:
         logs = Path(tmp)
         for name in servers:
@@ -401,7 +404,7 @@ def main() -> None:
                 failures[name] = f"{error}; its log ends: {_log_tail(logs / f'{name}.log')}"
                 print(f"{name} failed: {failures[name]}", flush=True)
             # Written after every server, so a run stopped part-way keeps what it measured.
-            record = _record(args, chosen, results, failures)
+            record = _record(args, chosen, results, failures, commit)
             if not args.quick:
                 args.out.write_text(json.dumps(record, indent=2) + "\n")
     summary: dict[str, dict[str, dict[str, dict[str, float]]]] = record["summary"]
