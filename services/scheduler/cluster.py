@@ -152,6 +152,8 @@ class Cluster:
             # Steps kept in flight on it (one per pipeline stage when micro-batched).
             steps_in_flight=worker.depth,
             micro_batches=worker.planner.micro_batches,
+            # The order its queue admits in (--scheduling-policy).
+            scheduling_policy=worker.waiting.policy,
         )
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             own, reported = getattr(s, name), getattr(hello, name)
