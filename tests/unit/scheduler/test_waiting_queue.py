@@ -93,22 +93,19 @@ def test_the_aging_rate_must_be_positive() -> None:
         WaitingQueue("shortest-prefill-first", aging_tokens_per_s=0.0)
 
 
-def test_the_planner_admits_a_burst_shortest_first_within_its_budget() -> None:
-    """The first step of a burst takes the short prompts; the long one that arrived first waits for the next."""
-    waiting = WaitingQueue("shortest-prefill-first")
+@pytest.mark.parametrize(
+    ("policy", "admitted"),
+    [("shortest-prefill-first", [("s1", 20), ("s2", 30), ("long", 14)]), ("fcfs", [("long", 60), ("s1", 4)])],
+)
+def test_the_planner_admits_a_burst_in_the_policys_order_within_its_budget(
+    policy: SchedulingPolicy, admitted: list[tuple[str, int]]
+) -> None:
+    """Shortest first, the first step of a burst takes the short prompts and the long one that arrived first
+    starts with what is left; in arrival order the long one takes most of the step."""
+    waiting = WaitingQueue(policy)
     planner = make_planner(waiting, max_num_batched_tokens=64)
     for request_id, length in (("long", 60), ("s1", 20), ("s2", 30)):
         waiting.append(req(request_id, length, arrival=1.0))
     step = planner.schedule()
     assert step is not None
-    assert [(n.request_id, n.num_scheduled_tokens) for n in step.new_requests] == [("s1", 20), ("s2", 30), ("long", 14)]
-
-
-def test_under_fcfs_the_planner_admits_the_same_burst_in_arrival_order() -> None:
-    waiting = WaitingQueue("fcfs")
-    planner = make_planner(waiting, max_num_batched_tokens=64)
-    for request_id, length in (("long", 60), ("s1", 20), ("s2", 30)):
-        waiting.append(req(request_id, length, arrival=1.0))
-    step = planner.schedule()
-    assert step is not None
-    assert [(n.request_id, n.num_scheduled_tokens) for n in step.new_requests] == [("long", 60), ("s1", 4)]
+    assert [(n.request_id, n.num_scheduled_tokens) for n in step.new_requests] == admitted
