@@ -196,6 +196,18 @@ def _fail(record: RequestRecord, error: str) -> RequestRecord:
     return record
 
 
+async def _send_until_answered(client: httpx.AsyncClient, request: httpx.Request) -> httpx.Response:
+    """The response once its status line has come (its body still to read). A connection closed before that
+    (a kept-alive one the server dropped as this request went out) is tried UNANSWERED_RETRIES more times on
+    a new one; the caller's clock keeps running from the first try."""
+    for _ in range(UNANSWERED_RETRIES):
+        try:
+            return await client.send(request, stream=True)
+        except httpx.RemoteProtocolError:
+            pass
+    return await client.send(request, stream=True)
+
+
 async def send_completion(
     client: httpx.AsyncClient,
     url: str,
@@ -212,37 +224,32 @@ async def send_completion(
     record = RequestRecord(prompt_len=prompt_len or 0, output_len=output_len, start=time.perf_counter())
     stream = _Stream(arrivals=[])
     headers = {"X-Request-Id": request_id} if request_id else {}
-    answered = False
-    for attempt in range(1 + UNANSWERED_RETRIES):
+    request = client.build_request("POST", url, json=payload, headers=headers)
+    try:
+        response = await _send_until_answered(client, request)
         try:
-            async with client.stream("POST", url, json=payload, headers=headers) as response:
-                answered = True
-                if response.status_code != 200:
-                    body = (await response.aread()).decode("utf-8", errors="replace")
-                    return _fail(record, f"HTTP {response.status_code}: {error_body_text(body)}")
-                decoder = SSEDecoder()
-                async for line in response.aiter_lines():
-                    if stream.done:
-                        # Read on to the body's end (its closing chunk), so that the connection is kept alive.
-                        continue
-                    now = time.perf_counter()
-                    event = decoder.feed(line)
-                    if event is not None:
-                        stream.take(parse_event(event), now)
-                    if stream.error is not None:
-                        break
-                if stream.error is None and not stream.done and (event := decoder.flush()) is not None:
-                    stream.take(parse_event(event), time.perf_counter())
-            break
-        except httpx.RemoteProtocolError as err:
-            if answered or attempt == UNANSWERED_RETRIES:
-                return _fail(record, f"{type(err).__name__}: {err}")
-            # Closed before any byte of an answer: a kept-alive connection the server dropped as this request
-            # went out. The pool opens a new one; the record's clock keeps running from the first try.
-        except httpx.HTTPError as err:
-            return _fail(record, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
-        except Exception as err:  # one broken request must not end the whole benchmark
-            return _fail(record, f"{type(err).__name__}: {err}")
+            if response.status_code != 200:
+                body = (await response.aread()).decode("utf-8", errors="replace")
+                return _fail(record, f"HTTP {response.status_code}: {error_body_text(body)}")
+            decoder = SSEDecoder()
+            async for line in response.aiter_lines():
+                if stream.done:
+                    # Read on to the body's end (its closing chunk), so that the connection is kept alive.
+                    continue
+                now = time.perf_counter()
+                event = decoder.feed(line)
+                if event is not None:
+                    stream.take(parse_event(event), now)
+                if stream.error is not None:
+                    break
+            if stream.error is None and not stream.done and (event := decoder.flush()) is not None:
+                stream.take(parse_event(event), time.perf_counter())
+        finally:
+            await response.aclose()
+    except httpx.HTTPError as err:
+        return _fail(record, f"{type(err).__name__}: {err}" if str(err) else type(err).__name__)
+    except Exception as err:  # one broken request must not end the whole benchmark
+        return _fail(record, f"{type(err).__name__}: {err}")
     end = time.perf_counter()
     if prompt_len is None and stream.prompt_tokens is not None:
         record.prompt_len = stream.prompt_tokens
