@@ -34,6 +34,10 @@ class WaitingQueue:
       overtaken by much later short ones. A prompt's work is known at admission (unlike its output), so
       this is the shortest-job-first order over what the queue actually delays.
 
+    Built without a policy it keeps arrival order (a queue only ever prepended to, like the cluster's parked
+    one, and planners built outside a scheduler); a served worker's queue takes --scheduling-policy, whose
+    default is DEFAULT_SCHEDULING_POLICY.
+
     Keeps the total of its requests' work (tokens to compute, as the router estimated them when it queued
     each; all their tokens otherwise), so routing does not walk every queue for every request.
     """
