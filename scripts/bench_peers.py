@@ -56,11 +56,13 @@ STARTUP_TIMEOUT_S = 900.0
 # Where Debian's libgoogle-perftools4 puts tcmalloc, which vLLM's CPU docs preload.
 TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
-# Prompt lookup as a user would turn it on: 4 drafts, and off in batches above 4 (where a step's extra rows
-# cost more than the steps they save).
+# Prompt lookup as a user would turn it on for a latency-bound service: 4 drafts, and off in batches above 4,
+# where async scheduling comes back. SPECULATIVE_CONFIG_ALWAYS drafts at every batch size: on the Zen 5 EPYC a
+# full batch of the mixed workload gained 14-24% throughput from it (docs/benchmarks.md, twenty-fifth step).
 SPECULATIVE_CONFIG = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": 4}'
 )
+SPECULATIVE_CONFIG_ALWAYS = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
 # meshserve's configurations, by server name: the flags each adds to `meshserve up`.
 MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "meshserve": (),
@@ -71,6 +73,8 @@ MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     # The kvstore gets a block the first time it is reused, not every block computed.
     "meshserve-selective": ("--kv-store-write-policy", "write-through-selective"),
     "meshserve-spec": ("--speculative-config", SPECULATIVE_CONFIG),
+    # Prompt lookup at every batch size: a full batch's steps carry drafts too.
+    "meshserve-spec-always": ("--speculative-config", SPECULATIVE_CONFIG_ALWAYS),
     "meshserve-int8-spec": ("--quantization", "int8", "--speculative-config", SPECULATIVE_CONFIG),
     # The embedded model's own GGUF file (Q4_1 linears, a Q8_0 LM head), its blocks multiplied as they are.
     "meshserve-gguf": ("--quantization", "gguf"),

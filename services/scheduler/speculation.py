@@ -36,8 +36,8 @@ class SpeculativeConfig(BaseModel):
     disable_by_batch_size: int | None = Field(
         default=None,
         ge=1,
-        description="no drafts while more requests than this run on the worker (a full batch gains less from "
-        "speculation than its extra rows cost); unset: always",
+        description="no drafts while more requests than this run on the worker (in a full batch a refused "
+        "draft's row costs what a token does, and async scheduling resumes without drafts); unset: always",
     )
 
     @model_validator(mode="after")
