@@ -58,7 +58,7 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 
 # Prompt lookup as a user would turn it on for a latency-bound service: 4 drafts, and off in batches above 4,
 # where async scheduling comes back. SPECULATIVE_CONFIG_ALWAYS drafts at every batch size: on the Zen 5 EPYC a
-# full batch of the mixed workload gained 14-24% throughput from it (docs/benchmarks.md, twenty-fifth step).
+# full batch of the mixed workload gained 13-24% throughput from it (docs/benchmarks.md, twenty-fifth step).
 SPECULATIVE_CONFIG = (
     '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": 4}'
 )
