@@ -59,10 +59,9 @@ TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
 # Prompt lookup as a user would turn it on for a latency-bound service: 4 drafts, and off in batches above 4,
 # where async scheduling comes back. SPECULATIVE_CONFIG_ALWAYS drafts at every batch size: on the Zen 5 EPYC a
 # full batch of the mixed workload gained 13-24% throughput from it (docs/benchmarks.md, twenty-fifth step).
-SPECULATIVE_CONFIG = (
-    '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "disable_by_batch_size": 4}'
-)
-SPECULATIVE_CONFIG_ALWAYS = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'
+_PROMPT_LOOKUP = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+SPECULATIVE_CONFIG = json.dumps({**_PROMPT_LOOKUP, "disable_by_batch_size": 4})
+SPECULATIVE_CONFIG_ALWAYS = json.dumps(_PROMPT_LOOKUP)
 # meshserve's configurations, by server name: the flags each adds to `meshserve up`.
 MESHSERVE_VARIANTS: dict[str, tuple[str, ...]] = {
     "meshserve": (),
